@@ -1,0 +1,23 @@
+# Install rules: headers, the exported attn::attn target, attnConfig.cmake and its version file.
+include(GNUInstallDirs)
+include(CMakePackageConfigHelpers)
+
+# A header-only package is architecture independent: its CMake files go under datadir.
+set(ATTN_INSTALL_CMAKEDIR "${CMAKE_INSTALL_DATADIR}/cmake/attn" CACHE STRING
+    "Where attnConfig.cmake is installed, relative to the prefix")
+
+install(TARGETS attn EXPORT attnTargets)
+install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/attn" DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}")
+install(EXPORT attnTargets NAMESPACE attn:: DESTINATION "${ATTN_INSTALL_CMAKEDIR}")
+
+configure_package_config_file(
+  "${PROJECT_SOURCE_DIR}/cmake/attnConfig.cmake.in"
+  "${PROJECT_BINARY_DIR}/attnConfig.cmake"
+  INSTALL_DESTINATION "${ATTN_INSTALL_CMAKEDIR}")
+write_basic_package_version_file(
+  "${PROJECT_BINARY_DIR}/attnConfigVersion.cmake"
+  COMPATIBILITY SameMinorVersion
+  ARCH_INDEPENDENT)
+install(FILES "${PROJECT_BINARY_DIR}/attnConfig.cmake" "${PROJECT_BINARY_DIR}/attnConfigVersion.cmake"
+        DESTINATION "${ATTN_INSTALL_CMAKEDIR}")
+install(FILES "${PROJECT_SOURCE_DIR}/LICENSE" DESTINATION "${CMAKE_INSTALL_DATADIR}/doc/attn")

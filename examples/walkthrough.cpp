@@ -1,0 +1,2 @@
+// Placeholder: replaced by the walkthrough program.
+int main() { return 0; }

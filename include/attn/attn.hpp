@@ -1,0 +1,23 @@
+#pragma once
+/// \file attn.hpp
+/// `attn`: self-attention on Eigen, exact enough to reproduce a textbook by hand.
+///
+/// Glossary of dimension names used throughout the documentation:
+/// - `n`        number of queries (rows of Q and of the output)
+/// - `m`        number of keys and values (rows of K and V)
+/// - `d_in`     width of the token embeddings X
+/// - `d_k`      width of queries and keys
+/// - `d_v`      width of values and of the output
+/// - `heads`    query heads; `kv_heads` key/value heads (fewer for grouped-query attention)
+///
+/// Conventions: one row per token; `Q = X W_Q` with `W_Q` of shape (d_in, d_k); boolean masks mean
+/// `true` = may attend; a query that may attend nothing gets zero weights and a zero output.
+
+#include "attention.hpp"
+#include "error.hpp"
+#include "mask.hpp"
+#include "projection.hpp"
+#include "scores.hpp"
+#include "softmax.hpp"
+#include "types.hpp"
+#include "version.hpp"

@@ -1,0 +1,92 @@
+#pragma once
+/// \file projection.hpp
+/// The projections `Q = X W_Q`, `K = X W_K`, `V = X W_V` (the documents' convention: one row per
+/// token, `W` of shape (d_in, d_out)).
+
+#include "error.hpp"
+#include "types.hpp"
+
+namespace attn {
+namespace detail {
+
+template <class A, class B>
+void require_same_scalar() {
+  static_assert(std::is_same_v<typename A::Scalar, typename B::Scalar>,
+                "attn: all operands must have the same scalar type (float or double)");
+  static_assert(is_supported_scalar_v<typename A::Scalar>, "attn works on floating-point scalars");
+}
+
+template <class DX, class DW>
+void check_projection(const char* function, const Eigen::MatrixBase<DX>& X,
+                      const Eigen::MatrixBase<DW>& W, const char* w_name) {
+  require_same_scalar<DX, DW>();
+  require_inner(function, "X", X, w_name, W);
+}
+
+}  // namespace detail
+
+/// `X W`: projects each token (row of `X`).
+/// \param X  n x d_in, one row per token
+/// \param W  d_in x d_out
+/// \returns n x d_out
+/// \throws shape_error if `X.cols() != W.rows()`.
+template <class DX, class DW>
+Matrix<typename DX::Scalar> project(const Eigen::MatrixBase<DX>& X,
+                                    const Eigen::MatrixBase<DW>& W) {
+  detail::check_projection("project", X, W, "W");
+  Matrix<typename DX::Scalar> Y(X.rows(), W.cols());
+  Y.noalias() = X * W;
+  return Y;
+}
+
+/// `X W + b`, with `b` broadcast over the rows.
+/// \param X  n x d_in
+/// \param W  d_in x d_out
+/// \param b  a vector of d_out entries (row or column)
+/// \returns n x d_out
+/// \throws shape_error on mismatched shapes.
+template <class DX, class DW, class DB>
+Matrix<typename DX::Scalar> project(const Eigen::MatrixBase<DX>& X, const Eigen::MatrixBase<DW>& W,
+                                    const Eigen::MatrixBase<DB>& b) {
+  detail::check_projection("project", X, W, "W");
+  detail::require_same_scalar<DX, DB>();
+  if ((b.rows() != 1 && b.cols() != 1) || b.size() != W.cols()) {
+    detail::fail("project", "b is ", detail::shape_of(b), " but must be a vector of ", W.cols(),
+                 " entries (W is ", detail::shape_of(W), ")");
+  }
+  Matrix<typename DX::Scalar> Y(X.rows(), W.cols());
+  Y.noalias() = X * W;
+  if (b.rows() == 1) {
+    Y.rowwise() += b.row(0);
+  } else {
+    Y.rowwise() += b.col(0).transpose();
+  }
+  return Y;
+}
+
+/// Queries, keys and values of one sequence: `{X W_Q, X W_K, X W_V}`.
+/// \param X    n x d_in
+/// \param W_Q  d_in x d_k
+/// \param W_K  d_in x d_k
+/// \param W_V  d_in x d_v
+/// \throws shape_error if a W has the wrong number of rows or W_Q and W_K differ in width.
+template <class DX, class DQ, class DK, class DV>
+QKV<typename DX::Scalar> project_qkv(const Eigen::MatrixBase<DX>& X,
+                                     const Eigen::MatrixBase<DQ>& W_Q,
+                                     const Eigen::MatrixBase<DK>& W_K,
+                                     const Eigen::MatrixBase<DV>& W_V) {
+  detail::check_projection("project_qkv", X, W_Q, "W_Q");
+  detail::check_projection("project_qkv", X, W_K, "W_K");
+  detail::check_projection("project_qkv", X, W_V, "W_V");
+  detail::require_same_cols("project_qkv", "W_K", W_K, "W_Q", W_Q);
+  using T = typename DX::Scalar;
+  const detail::ConstRef<T> x(X);  // evaluate an expression X once, not three times
+  QKV<T> qkv{Matrix<T>(X.rows(), W_Q.cols()), Matrix<T>(X.rows(), W_K.cols()),
+             Matrix<T>(X.rows(), W_V.cols())};
+  qkv.Q.noalias() = x * W_Q;
+  qkv.K.noalias() = x * W_K;
+  qkv.V.noalias() = x * W_V;
+  return qkv;
+}
+
+}  // namespace attn

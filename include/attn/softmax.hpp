@@ -1,0 +1,81 @@
+#pragma once
+/// \file softmax.hpp
+/// The numerically stable row softmax.
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "error.hpp"
+#include "types.hpp"
+
+namespace attn {
+namespace detail {
+
+/// What one row's softmax computed: the subtracted maximum and the denominator.
+template <class T>
+struct RowStats {
+  T max;  ///< max over the row (and the sink); -inf when the row is empty or all -inf
+  T sum;  ///< sum of exp(x - max) over the row (plus exp(sink - max)); 0 for an empty row
+};
+
+/// The first half of one row's softmax, in place: `row -> exp(row - max)` with exactly 0 where the
+/// shifted score is -inf (Eigen's vectorised exp returns a tiny denormal there on some instruction
+/// sets, not 0). A row with no finite entry (and no sink) becomes all zero with sum 0.
+/// \param row   1 x m scores, replaced by their shifted exponentials
+/// \param sink  optional sink logit: takes part in the max and adds exp(sink - max) to the sum
+template <class T>
+RowStats<T> exp_row_inplace(Eigen::Ref<RowVector<T>> row, std::optional<T> sink = {}) {
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  T max = row.size() > 0 ? row.maxCoeff() : neg_inf;
+  if (sink) max = std::max(max, *sink);
+  if (max == neg_inf) {  // nothing to attend
+    row.setZero();
+    return {max, T(0)};
+  }
+  row.array() -= max;
+  row.array() = (row.array() == neg_inf).select(T(0), row.array().exp());
+  T sum = row.sum();
+  if (sink) sum += std::exp(*sink - max);
+  return {max, sum};
+}
+
+/// `row /= sum`, guarded: zeros when `sum` is 0 (a row that may attend nothing), never 0/0.
+/// After `exp_row_inplace` a non-zero sum is >= 1: the entry (or sink) equal to the max gives exp(0).
+template <class T>
+void normalise_inplace(Eigen::Ref<RowVector<T>> row, T sum) {
+  row *= sum > T(0) ? T(1) / sum : T(0);
+}
+
+/// One row of the softmax, in place.
+template <class T>
+RowStats<T> softmax_row_inplace(Eigen::Ref<RowVector<T>> row, std::optional<T> sink = {}) {
+  const RowStats<T> stats = exp_row_inplace<T>(row, sink);
+  normalise_inplace<T>(row, stats.sum);
+  return stats;
+}
+
+}  // namespace detail
+
+/// Softmax of each row of `S`, in place: `S(i, j) = exp(S(i, j) - max_i) / sum_j exp(...)`.
+/// Stable for any finite scores (the row maximum is subtracted first); `-inf` entries get exactly
+/// 0; a row that is entirely `-inf` becomes all zeros (never NaN).
+/// \param S  n x m scores, replaced by n x m weights
+/// \note O(n m) time, no allocation.
+template <class T>
+void softmax_rows_inplace(Matrix<T>& S) {
+  static_assert(detail::is_supported_scalar_v<T>, "attn works on floating-point scalars");
+  for (Index i = 0; i < S.rows(); ++i) detail::softmax_row_inplace<T>(S.row(i));
+}
+
+/// Softmax of each row of `S` (see `softmax_rows_inplace`).
+/// \param S  n x m scores, any Eigen expression
+/// \returns n x m weights; each row sums to 1, or is all zero if the row was all `-inf`.
+template <class Derived>
+Matrix<typename Derived::Scalar> softmax_rows(const Eigen::MatrixBase<Derived>& S) {
+  Matrix<typename Derived::Scalar> P = S;
+  softmax_rows_inplace(P);
+  return P;
+}
+
+}  // namespace attn
