@@ -1,5 +1,98 @@
-# Placeholder: replaced by the walkthrough check.
-execute_process(COMMAND "${PROGRAM}" RESULT_VARIABLE result)
-if(NOT result EQUAL 0)
-  message(FATAL_ERROR "walkthrough failed")
+# Runs attn-walkthrough and checks that it prints the documents' figures.
+# Usage: cmake -DPROGRAM=<path to attn-walkthrough> -P check_walkthrough.cmake
+#
+# Every figure below was computed independently of attn (by hand / Python's math module), not copied
+# from the program's output. Each missing figure is reported by name; the script fails at the end.
+
+if(NOT PROGRAM)
+  message(FATAL_ERROR "check_walkthrough.cmake: pass -DPROGRAM=<path to attn-walkthrough>")
 endif()
+
+set(problems "")   # one line per problem
+set(problem_count 0)
+
+# problem(<text>): records one problem (a string, not a list: the figures contain brackets).
+function(problem text)
+  math(EXPR count "${problem_count} + 1")
+  set(problem_count ${count} PARENT_SCOPE)
+  set(problems "${problems}\n  ${text}" PARENT_SCOPE)
+endfunction()
+
+# --- The walkthrough itself --------------------------------------------------------------------
+execute_process(COMMAND "${PROGRAM}"
+  RESULT_VARIABLE result OUTPUT_VARIABLE output ERROR_VARIABLE errors)
+if(NOT result EQUAL 0)
+  message(FATAL_ERROR "attn-walkthrough exited with '${result}'\nstdout:\n${output}\nstderr:\n${errors}")
+endif()
+
+# expect(<name> <text>): <text> must appear literally in the output.
+function(expect name text)
+  string(FIND "${output}" "${text}" position)
+  if(position EQUAL -1)
+    problem("missing ${name}: '${text}'")
+    set(problem_count ${problem_count} PARENT_SCOPE)
+    set(problems "${problems}" PARENT_SCOPE)
+  endif()
+endfunction()
+
+# Part 1: the first document's 3-token example.
+expect("sqrt(2)" "1.4142")
+expect("raw scores, row 1" "Row 1: Q1·K1=1, Q1·K2=0, Q1·K3=1")
+expect("raw scores, row 3" "Row 3: Q3·K1=1, Q3·K2=1, Q3·K3=2")
+expect("scaled scores, row 1" "[0.7071, 0, 0.7071]")
+expect("scaled scores, row 3" "[0.7071, 0.7071, 1.4142]")
+expect("e^0.7071" "2.0281")
+expect("e^1.4142" "4.1133")
+expect("row 1 sum" "sum = 2.0281+1+2.0281 = 5.0562")
+expect("row 3 sum" "sum = 2.0281+2.0281+4.1133 = 8.1695")
+expect("row 1 weights" "[0.4011, 0.1978, 0.4011]")
+expect("row 2 weights" "[0.1978, 0.4011, 0.4011]")
+expect("row 3 weights" "[0.2483, 0.2483, 0.5035]")
+expect("row 3 exact weight" "0.248255")
+expect("output 1" "= [0.6017, 0.3983]")
+expect("output 2" "= [0.3983, 0.6017]")
+expect("output 3" "= [0.5000, 0.5000]")
+expect("stable form, row 1 e^(x-max)" "[1, 0.4931, 1]")
+
+# Part 2: the second document's "I love AI" example, in NumPy's layout.
+expect("Q" "[[2 0]\n [0 3]\n [2 2]]")
+expect("K" "[[0 2]\n [3 0]\n [2 2]]")
+expect("V" "[[2 1]\n [0 2]\n [2 2]]")
+expect("attention weights" "Attention weights:\n [[0.01 0.8  0.19]\n [0.5  0.01 0.5 ]\n [0.05 0.19 0.77]]")
+expect("output" "Output:\n [[0.41 1.99]\n [1.99 1.5 ]\n [1.63 1.95]]")
+expect("first-row sentence" "the word I puts 80% of its attention on love and 19% on AI")
+expect("first-row vector" "[0.41, 1.99]")
+
+# Part 3: causal mask. Row 2 sees keys 1 and 2: e^0 = 1, e^0.7071 = 2.0281, sum 3.0281,
+# weights 1/3.0281 = 0.3302 and 2.0281/3.0281 = 0.6698; row 1 sees only itself.
+expect("causal masked row 1" "[0.7071, -inf, -inf]")
+expect("causal masked row 2" "[0, 0.7071, -inf]")
+expect("causal row 1 sum" "sum = 2.0281+0+0 = 2.0281")
+expect("causal row 2 sum" "sum = 1+2.0281+0 = 3.0281")
+expect("causal row 1 weights" "[1.0000, 0, 0]")
+expect("causal row 2 weights" "[0.3302, 0.6698, 0]")
+expect("causal output 1" "= [1.0000, 0.0000]")
+expect("causal output 2" "= [0.3302, 0.6698]")
+
+if(output MATCHES "(^|[^A-Za-z])nan([^A-Za-z]|$)")
+  problem("the output contains 'nan'")
+endif()
+
+# --- The command line --------------------------------------------------------------------------
+execute_process(COMMAND "${PROGRAM}" --help RESULT_VARIABLE result OUTPUT_VARIABLE help_output)
+string(FIND "${help_output}" "usage:" position)
+if(NOT result EQUAL 0 OR position EQUAL -1)
+  problem("--help: expected exit code 0 and a usage text, got '${result}'")
+endif()
+execute_process(COMMAND "${PROGRAM}" --no-such-option
+  RESULT_VARIABLE result OUTPUT_QUIET ERROR_VARIABLE unknown_errors)
+string(FIND "${unknown_errors}" "--no-such-option" position)
+if(NOT result EQUAL 2 OR position EQUAL -1)
+  problem(
+    "unknown argument: expected exit code 2 and a message naming it, got '${result}': ${unknown_errors}")
+endif()
+
+if(problem_count GREATER 0)
+  message(FATAL_ERROR "attn-walkthrough: ${problem_count} problem(s):${problems}\n\nOutput was:\n${output}")
+endif()
+message(STATUS "attn-walkthrough: all figures present")

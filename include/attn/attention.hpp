@@ -17,19 +17,9 @@
 namespace attn {
 namespace detail {
 
-/// Checks the operands and options of an attention call (n queries, m keys).
-template <class DQ, class DK, class DV>
-void check_attention(const char* function, const Eigen::MatrixBase<DQ>& Q,
-                     const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
-                     const AttentionOptions<typename DQ::Scalar>& options) {
-  using T = typename DQ::Scalar;
-  require_same_scalar<DQ, DK>();
-  require_same_scalar<DQ, DV>();
-  require_width(function, "Q", Q);
-  require_same_cols(function, "K", K, "Q", Q);
-  require_same_rows(function, "V", V, "K", K);
-  const Index n = Q.rows();
-  const Index m = K.rows();
+/// Checks the options of an attention call with n queries and m keys.
+template <class T>
+void check_options(const char* function, const AttentionOptions<T>& options, Index n, Index m) {
   if (options.mask) require_table(function, "mask", *options.mask, n, m);
   if (options.bias) require_table(function, "bias", *options.bias, n, m);
   if (options.window) require_window(function, *options.window);
@@ -43,6 +33,19 @@ void check_attention(const char* function, const Eigen::MatrixBase<DQ>& Q,
   if (options.sink && (std::isnan(*options.sink) || *options.sink > std::numeric_limits<T>::max())) {
     fail(function, "sink must be a number below +inf, got ", *options.sink);
   }
+}
+
+/// Checks the operands and options of an attention call (n queries, m keys).
+template <class DQ, class DK, class DV>
+void check_attention(const char* function, const Eigen::MatrixBase<DQ>& Q,
+                     const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                     const AttentionOptions<typename DQ::Scalar>& options) {
+  require_same_scalar<DQ, DK>();
+  require_same_scalar<DQ, DV>();
+  require_width(function, "Q", Q);
+  require_same_cols(function, "K", K, "Q", Q);
+  require_same_rows(function, "V", V, "K", K);
+  check_options(function, options, Q.rows(), K.rows());
 }
 
 template <class T>
@@ -93,13 +96,14 @@ void logits_kernel(ConstRef<T> Q, ConstRef<T> K, const AttentionOptions<T>& opti
 }
 
 /// The materialised path. Shape contract: Q n x d_k, K m x d_k, V m x d_v; P becomes the n x m
-/// weights, O the n x d_v output. Memory: the n x m table P.
+/// weights; O, already n x d_v (a block of a larger matrix is fine), receives the output.
+/// Memory: the n x m table P (reused across calls when it already has the right size).
 template <class T>
 void attention_kernel(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V,
-                      const AttentionOptions<T>& options, Matrix<T>& P, Matrix<T>& O) {
+                      const AttentionOptions<T>& options, Matrix<T>& P, Eigen::Ref<Matrix<T>> O) {
+  ATTN_ASSERT(O.rows() == Q.rows() && O.cols() == V.cols());
   logits_kernel<T>(Q, K, options, P);
   for (Index i = 0; i < P.rows(); ++i) softmax_row_inplace<T>(P.row(i), options.sink);
-  O.resize(Q.rows(), V.cols());
   O.noalias() = P * V;
 }
 
@@ -121,7 +125,7 @@ Matrix<typename DQ::Scalar> scaled_dot_product_attention(
   using T = typename DQ::Scalar;
   detail::check_attention("scaled_dot_product_attention", Q, K, V, options);
   Matrix<T> P;
-  Matrix<T> O;
+  Matrix<T> O(Q.rows(), V.cols());
   detail::attention_kernel<T>(Q, K, V, options, P, O);
   return O;
 }
@@ -136,7 +140,7 @@ Attention<typename DQ::Scalar> attention_with_weights(
     const AttentionOptions<typename DQ::Scalar>& options = {}) {
   using T = typename DQ::Scalar;
   detail::check_attention("attention_with_weights", Q, K, V, options);
-  Attention<T> result;
+  Attention<T> result{Matrix<T>(Q.rows(), V.cols()), Matrix<T>()};
   detail::attention_kernel<T>(Q, K, V, options, result.weights, result.output);
   return result;
 }
