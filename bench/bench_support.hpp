@@ -1,5 +1,6 @@
 #pragma once
-// Shared pieces of the benchmarks: random inputs, the Eigen SIMD set in the context, naive baselines.
+// Shared pieces of the benchmarks: random inputs, the Eigen SIMD set in the context, naive
+// baselines.
 
 #include <benchmark/benchmark.h>
 

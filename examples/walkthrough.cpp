@@ -6,17 +6,23 @@
 /// - Part 1: the first document's 3-token example (scores, scaling, softmax, outputs).
 /// - Part 2: the second document's "I love AI" NumPy example, printed as NumPy prints it.
 /// - Part 3: Part 1's tokens again with a causal mask.
+/// - Part 4: the second document's multi-head layer, nn.MultiheadAttention(512, 8), on x of shape
+///   (2, 10, 512): output and weight shapes, the parameter count, one head's weights.
 ///
 /// Only the documents' inputs are typed in below; every other number comes from the library at run
 /// time (`attn::project_qkv` and `attn::trace_attention`, whose trace keeps every intermediate
-/// table).
+/// table; `attn::MultiHeadAttention` for Part 4).
 
 #include <algorithm>
 #include <attn/attn.hpp>
 #include <cmath>
+#include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <iomanip>
 #include <iostream>
+#include <random>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -431,6 +437,113 @@ void part3() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Part 4: the second document's multi-head layer
+// ---------------------------------------------------------------------------------------------
+
+using Tensor3 = attn::Tensor3<double>;
+using Tensor4 = attn::Tensor4<double>;
+
+/// The seeds of Part 4 (the document draws x with torch.randn and lets PyTorch initialise the
+/// layer; the shapes and the parameter count do not depend on the values drawn, the printed
+/// weights do).
+constexpr std::uint64_t layer_seed = 2017;
+constexpr std::uint64_t input_seed = 1;
+
+/// `torch.randn(batch, tokens, features)`: N(0, 1) entries by the Box-Muller transform from a
+/// 64-bit Mersenne twister (whose output is the same on every platform; std::normal_distribution's
+/// is not).
+Tensor3 randn(Index batch, Index tokens, Index features, std::uint64_t seed) {
+  std::mt19937_64 engine(seed);
+  const auto uniform = [&engine] {  // in (0, 1], so that its log is finite
+    return (static_cast<double>(engine() >> 11) + 1.0) * 0x1.0p-53;
+  };
+  const double two_pi = 2.0 * std::acos(-1.0);
+  Tensor3 x(batch, tokens, features);
+  for (Index k = 0; k < x.size(); ++k) {
+    const double radius = std::sqrt(-2.0 * std::log(uniform()));
+    x.data()[k] = radius * std::cos(two_pi * uniform());
+  }
+  return x;
+}
+
+/// How PyTorch prints a shape: "torch.Size([2, 10, 512])".
+template <class Tensor>
+std::string torch_size(const Tensor& t) {
+  std::vector<std::string> dims;
+  for (std::size_t k = 0; k < static_cast<std::size_t>(Tensor::NumDimensions); ++k) {
+    dims.push_back(std::to_string(t.dimension(k)));
+  }
+  return "torch.Size([" + join(dims, ", ") + "])";
+}
+
+/// The document's thousands separators: 1050624 -> "1,050,624".
+std::string with_commas(Index value) {
+  std::string digits = std::to_string(value);
+  for (auto k = static_cast<std::ptrdiff_t>(digits.size()) - 3; k > 0; k -= 3) {
+    digits.insert(static_cast<std::size_t>(k), ",");
+  }
+  return digits;
+}
+
+void part4() {
+  print_heading("Part 4: multi-head attention (the second document's nn.MultiheadAttention)");
+  const attn::MultiHeadConfig config{512, 8};
+  const attn::MultiHeadAttention<double> mha(config, layer_seed);
+  const Tensor3 x = randn(2, 10, config.embed_dim, input_seed);
+
+  std::cout << "mha = nn.MultiheadAttention(embed_dim=" << config.embed_dim
+            << ", num_heads=" << config.num_heads << ", batch_first=True)\n"
+            << "    # attn::MultiHeadAttention<double>, Xavier-uniform weights from seed "
+            << layer_seed << "\n"
+            << "x = torch.randn(" << x.dimension(0) << ", " << x.dimension(1) << ", "
+            << x.dimension(2) << ")                  # " << x.dimension(0) << " sentences, "
+            << x.dimension(1) << " tokens each (seed " << input_seed << ")\n"
+            << "out, attn = mha(x, x, x)                     # self-attention: Q, K, V all come "
+               "from x\n\n";
+
+  attn::MultiHeadOptions<double> options;
+  options.need_weights = true;  // and average_weights = true, PyTorch's default
+  const attn::MultiHeadResult<double> result = mha.forward(x, x, x, options);
+  std::cout << "print(out.shape)   ->  " << torch_size(result.output) << "\n"
+            << "print(attn.shape)  ->  " << torch_size(result.weights)
+            << "     # averaged over heads by default\n"
+            << "print(sum(p.numel() for p in mha.parameters()))  ->  " << mha.parameter_count()
+            << "     # mha.parameter_count()\n\n";
+
+  // The document's breakdown, every figure read off the layer.
+  const std::vector<const attn::Matrix<double>*> matrices{&mha.W_Q, &mha.W_K, &mha.W_V, &mha.W_O};
+  const std::vector<const attn::RowVector<double>*> biases{&mha.b_Q, &mha.b_K, &mha.b_V, &mha.b_O};
+  Index total = 0;
+  for (const attn::Matrix<double>* W : matrices) total += W->size();
+  for (const attn::RowVector<double>* b : biases) total += b->size();
+  std::cout << "Each head works with d_k = " << config.embed_dim << " / " << config.num_heads
+            << " = " << mha.head_dim() << " numbers.\n"
+            << "The parameter count is " << matrices.size() << " matrices of " << mha.W_Q.rows()
+            << " × " << mha.W_Q.cols() << " (Q, K, V and output) plus their biases:\n"
+            << matrices.size() << " × " << with_commas(mha.W_Q.size()) << " + " << biases.size()
+            << " × " << with_commas(mha.b_Q.size()) << " = " << with_commas(total) << "\n\n";
+
+  // One head's weights: the same call with average_weights = false keeps each head's table.
+  options.average_weights = false;
+  const attn::MultiHeadResult<double> per_head = mha.forward(x, x, x, options);
+  const Tensor4& heads = per_head.head_weights;
+  const Index sentence = 0;
+  const Index head = 0;
+  const Index n = heads.dimension(2);
+  const Index m = heads.dimension(3);
+  const Matrix weights =
+      Eigen::Map<const Matrix>(heads.data() + (sentence * heads.dimension(1) + head) * n * m, n, m);
+  std::cout << "Per-head weights (average_weights = false): " << torch_size(heads) << "\n"
+            << "Head " << head + 1 << " of sentence " << sentence + 1 << ", " << n << " × " << m
+            << " because every token attends to every token; each row sums to 1:\n\n";
+  for (Index i = 0; i < n; ++i) {
+    std::cout << "• Row " << std::setw(2) << token_number(i) << ": "
+              << bracketed_row(weights, i, four_places)
+              << "  sum = " << four_places(weights.row(i).sum()) << "\n";
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Command line
 // ---------------------------------------------------------------------------------------------
 
@@ -442,6 +555,7 @@ constexpr const char* usage =
     "  Part 1  the first document's 3-token example (scores, scaling, softmax, outputs)\n"
     "  Part 2  the second document's \"I love AI\" NumPy example\n"
     "  Part 3  the 3-token example with a causal mask\n"
+    "  Part 4  the second document's multi-head layer (E = 512, 8 heads) on x of (2, 10, 512)\n"
     "\n"
     "options:\n"
     "  -h, --help  print this help and exit\n";
@@ -491,6 +605,7 @@ int main(int argc, char** argv) {
     part1();
     part2();
     part3();
+    part4();
   } catch (const std::exception& error) {
     std::cerr << "attn-walkthrough: " << error.what() << "\n";
     return 1;

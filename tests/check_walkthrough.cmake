@@ -74,6 +74,22 @@ expect("causal row 2 weights" "[0.3302, 0.6698, 0]")
 expect("causal output 1" "= [1.0000, 0.0000]")
 expect("causal output 2" "= [0.3302, 0.6698]")
 
+# Part 4: the second document's nn.MultiheadAttention(embed_dim=512, num_heads=8) on x of shape
+# (2, 10, 512). 4 * 512 * 512 + 4 * 512 = 1048576 + 2048 = 1050624; 512 / 8 = 64.
+expect("output shape" "torch.Size([2, 10, 512])")
+expect("head-averaged weights shape" "torch.Size([2, 10, 10])")
+expect("per-head weights shape" "torch.Size([2, 8, 10, 10])")
+expect("parameter count" "1050624")
+expect("parameter breakdown" "4 × 262,144 + 4 × 512 = 1,050,624")
+expect("head width" "d_k = 512 / 8 = 64")
+# One head's 10 x 10 weights: ten rows, each followed by "  sum = 1.0000" (the match leaves out the
+# row's closing bracket: brackets would break the CMake list).
+string(REGEX MATCHALL "  sum = 1\\.0000\n" head_rows "${output}")
+list(LENGTH head_rows head_row_count)
+if(NOT head_row_count EQUAL 10)
+  problem("one head's weights: expected 10 rows with 'sum = 1.0000', found ${head_row_count}")
+endif()
+
 if(output MATCHES "(^|[^A-Za-z])nan([^A-Za-z]|$)")
   problem("the output contains 'nan'")
 endif()

@@ -1,1 +1,1047 @@
+/// multi_head.hpp: `attention_heads` (MHA, GQA, MQA) and the `MultiHeadAttention` layer.
+/// - the PyTorch 1.13 float64 reference cases tests/data/mha_*.json and gqa_causal.json, with the
+///   weights loaded by `load_pytorch` (PyTorch's own tensors) and set directly (W_Q = X-side
+///   layout);
+/// - the second teaching document's layer (E = 512, 8 heads): shapes and parameter count;
+/// - properties: per-head weights average to the averaged weights, one identity head equals
+///   `scaled_dot_product_attention`, GQA equals MHA with repeated key/value heads, a fully padded
+///   batch item gives zeros (never NaN), the single-sequence overload equals the batch one,
+///   PyTorch's add_bias_kv / add_zero_attn against an independent naive long double computation,
+///   deterministic Xavier initialisation;
+/// - every shape error, with both shapes in the message.
+
 #include <gtest/gtest.h>
+
+#include <attn/attn.hpp>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "test_support.hpp"
+
+namespace {
+
+using attn::Causal;
+using attn::Index;
+using attn::Mask;
+using attn::MultiHeadAttention;
+using attn::MultiHeadConfig;
+using attn::MultiHeadOptions;
+using attn::MultiHeadResult;
+using attn::Tensor3;
+using attn::Tensor4;
+using attn_test::LMatrix;
+
+// ------------------------------------------------------------------------------------------------
+// Rank-3 and rank-4 tensors: loading (nested JSON lists), slicing, random filling
+// ------------------------------------------------------------------------------------------------
+
+std::size_t to_size(Index i) { return static_cast<std::size_t>(i); }
+
+/// The sizes of a nested list, outermost first; throws unless it is rectangular to `rank` levels.
+std::vector<Index> nested_dims(const nlohmann::json& list, int rank, const std::string& where) {
+  std::vector<Index> dims;
+  const nlohmann::json* level = &list;
+  for (int r = 0; r < rank; ++r) {
+    if (!level->is_array() || level->empty()) {
+      throw std::runtime_error(where + " is not a non-empty rank-" + std::to_string(rank) +
+                               " nested list");
+    }
+    dims.push_back(static_cast<Index>(level->size()));
+    level = &level->at(0);
+  }
+  return dims;
+}
+
+/// Row `i` of a nested list, checked to have `size` entries.
+const nlohmann::json& sublist(const nlohmann::json& list, Index i, Index size,
+                              const std::string& where) {
+  const nlohmann::json& row = list.at(to_size(i));
+  if (!row.is_array() || static_cast<Index>(row.size()) != size) {
+    throw std::runtime_error(where + " is not rectangular");
+  }
+  return row;
+}
+
+/// inputs.<key> or expected.<key> of a case as a (d0, d1, d2) tensor.
+template <class T>
+Tensor3<T> tensor3(const nlohmann::json& list, const std::string& where) {
+  const std::vector<Index> d = nested_dims(list, 3, where);
+  Tensor3<T> t(d[0], d[1], d[2]);
+  for (Index a = 0; a < d[0]; ++a) {
+    const nlohmann::json& la = sublist(list, a, d[1], where);
+    for (Index b = 0; b < d[1]; ++b) {
+      const nlohmann::json& lb = sublist(la, b, d[2], where);
+      for (Index c = 0; c < d[2]; ++c) t(a, b, c) = static_cast<T>(lb.at(to_size(c)).get<double>());
+    }
+  }
+  return t;
+}
+
+/// A (d0, d1, d2, d3) tensor from a nested list.
+template <class T>
+Tensor4<T> tensor4(const nlohmann::json& list, const std::string& where) {
+  const std::vector<Index> d = nested_dims(list, 4, where);
+  Tensor4<T> t(d[0], d[1], d[2], d[3]);
+  for (Index a = 0; a < d[0]; ++a) {
+    const nlohmann::json& la = sublist(list, a, d[1], where);
+    for (Index b = 0; b < d[1]; ++b) {
+      const nlohmann::json& lb = sublist(la, b, d[2], where);
+      for (Index c = 0; c < d[2]; ++c) {
+        const nlohmann::json& lc = sublist(lb, c, d[3], where);
+        for (Index e = 0; e < d[3]; ++e) {
+          t(a, b, c, e) = static_cast<T>(lc.at(to_size(e)).get<double>());
+        }
+      }
+    }
+  }
+  return t;
+}
+
+/// A flat JSON list as a row vector.
+template <class T>
+attn::RowVector<T> row_vector(const nlohmann::json& list) {
+  attn::RowVector<T> v(static_cast<Index>(list.size()));
+  for (Index k = 0; k < v.size(); ++k) v(k) = static_cast<T>(list.at(to_size(k)).get<double>());
+  return v;
+}
+
+template <class T>
+Tensor3<T> input3(const attn_test::Case& c, const std::string& key) {
+  return tensor3<T>(c.json().at("inputs").at(key), c.name() + ": inputs." + key);
+}
+template <class T>
+Tensor3<T> expected3(const attn_test::Case& c, const std::string& key) {
+  return tensor3<T>(c.json().at("expected").at(key), c.name() + ": expected." + key);
+}
+template <class T>
+attn::RowVector<T> input_vector(const attn_test::Case& c, const std::string& key) {
+  return row_vector<T>(c.json().at("inputs").at(key));
+}
+
+/// Slice `i` of a (a, b, c) tensor as a b x c matrix (a copy).
+template <class T>
+attn::Matrix<T> item(const Tensor3<T>& t, Index i) {
+  const Index rows = t.dimension(1);
+  const Index cols = t.dimension(2);
+  return Eigen::Map<const attn::Matrix<T>>(t.data() + i * rows * cols, rows, cols);
+}
+
+/// Slice (b, h) of a (batch, heads, n, m) tensor as an n x m matrix (a copy).
+template <class T>
+attn::Matrix<T> head_item(const Tensor4<T>& t, Index b, Index h) {
+  const Index rows = t.dimension(2);
+  const Index cols = t.dimension(3);
+  return Eigen::Map<const attn::Matrix<T>>(t.data() + (b * t.dimension(1) + h) * rows * cols, rows,
+                                           cols);
+}
+
+/// A (batch, rows, cols) tensor of N(0, 1) entries.
+template <class T>
+Tensor3<T> random_tensor(Index batch, Index rows, Index cols, std::mt19937& rng) {
+  Tensor3<T> t(batch, rows, cols);
+  Eigen::Map<attn::Matrix<T>>(t.data(), batch * rows, cols) =
+      attn_test::random_matrix<T>(batch * rows, cols, rng);
+  return t;
+}
+
+/// Stacks n x d matrices into a (count, n, d) tensor.
+template <class T>
+Tensor3<T> stack(const std::vector<attn::Matrix<T>>& items) {
+  Tensor3<T> t(static_cast<Index>(items.size()), items.front().rows(), items.front().cols());
+  for (Index i = 0; i < t.dimension(0); ++i) {
+    Eigen::Map<attn::Matrix<T>>(t.data() + i * t.dimension(1) * t.dimension(2), t.dimension(1),
+                                t.dimension(2)) = items[to_size(i)];
+  }
+  return t;
+}
+
+/// Every slice of `actual` agrees with `expected` within the tolerances of `T`.
+template <class T, class TE>
+void expect_near3(const Tensor3<T>& actual, const Tensor3<TE>& expected, const char* what) {
+  ASSERT_EQ(actual.dimension(0), expected.dimension(0)) << what;
+  for (Index b = 0; b < expected.dimension(0); ++b) {
+    SCOPED_TRACE(std::string(what) + ", slice " + std::to_string(b));
+    EXPECT_TRUE(attn_test::near_t<T>(item(actual, b), item(expected, b)));
+  }
+}
+
+template <class T, class TE>
+void expect_near4(const Tensor4<T>& actual, const Tensor4<TE>& expected, const char* what) {
+  ASSERT_EQ(actual.dimension(0), expected.dimension(0)) << what;
+  ASSERT_EQ(actual.dimension(1), expected.dimension(1)) << what;
+  for (Index b = 0; b < expected.dimension(0); ++b) {
+    for (Index h = 0; h < expected.dimension(1); ++h) {
+      SCOPED_TRACE(std::string(what) + ", batch item " + std::to_string(b) + ", head " +
+                   std::to_string(h));
+      EXPECT_TRUE(attn_test::near_t<T>(head_item(actual, b, h), head_item(expected, b, h)));
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The PyTorch reference cases
+// ------------------------------------------------------------------------------------------------
+
+/// params.causal of a multi-head case.
+Causal causal_of(const attn_test::Case& c) {
+  const std::string causal = c.params().at("causal").get<std::string>();
+  if (causal == "none") return Causal::None;
+  if (causal == "top_left") return Causal::TopLeft;
+  if (causal == "bottom_right") return Causal::BottomRight;
+  throw std::runtime_error(c.name() + ": unknown params.causal \"" + causal + "\"");
+}
+
+MultiHeadConfig config_of(const attn_test::Case& c) {
+  MultiHeadConfig config{c.params().at("embed_dim").get<Index>(),
+                         c.params().at("num_heads").get<Index>()};
+  config.kdim = c.params().at("kdim").get<Index>();
+  config.vdim = c.params().at("vdim").get<Index>();
+  config.bias = c.params().at("bias").get<bool>();
+  return config;
+}
+
+/// [b_Q, b_K, b_V]: PyTorch's in_proj_bias.
+template <class T>
+attn::RowVector<T> in_proj_bias_of(const attn_test::Case& c) {
+  if (!c.has_input("b_Q")) return {};
+  const attn::RowVector<T> q = input_vector<T>(c, "b_Q");
+  const attn::RowVector<T> k = input_vector<T>(c, "b_K");
+  const attn::RowVector<T> v = input_vector<T>(c, "b_V");
+  attn::RowVector<T> all(q.size() + k.size() + v.size());
+  all << q, k, v;
+  return all;
+}
+
+template <class T>
+attn::RowVector<T> out_proj_bias_of(const attn_test::Case& c) {
+  return c.has_input("b_O") ? input_vector<T>(c, "b_O") : attn::RowVector<T>();
+}
+
+enum class Loader { PyTorch, Direct };
+
+/// The case's layer: weights loaded from PyTorch's tensors, or set directly from W_Q ... b_O.
+template <class T>
+MultiHeadAttention<T> layer_of(const attn_test::Case& c, Loader loader) {
+  MultiHeadAttention<T> layer(config_of(c), 99);
+  if (loader == Loader::Direct) {
+    layer.W_Q = c.input<T>("W_Q");
+    layer.W_K = c.input<T>("W_K");
+    layer.W_V = c.input<T>("W_V");
+    layer.W_O = c.input<T>("W_O");
+    if (layer.config().bias) {
+      layer.b_Q = input_vector<T>(c, "b_Q");
+      layer.b_K = input_vector<T>(c, "b_K");
+      layer.b_V = input_vector<T>(c, "b_V");
+      layer.b_O = input_vector<T>(c, "b_O");
+    }
+    return layer;
+  }
+  if (c.has_input("torch_in_proj_weight")) {
+    layer.load_pytorch(c.input<T>("torch_in_proj_weight"), in_proj_bias_of<T>(c),
+                       c.input<T>("torch_out_proj_weight"), out_proj_bias_of<T>(c));
+  } else {
+    // kdim/vdim != embed_dim: PyTorch keeps separate q/k/v_proj_weight, each W^T.
+    const attn::Matrix<T> q_proj = c.input<T>("W_Q").transpose();
+    const attn::Matrix<T> k_proj = c.input<T>("W_K").transpose();
+    const attn::Matrix<T> v_proj = c.input<T>("W_V").transpose();
+    layer.load_pytorch(q_proj, k_proj, v_proj, in_proj_bias_of<T>(c),
+                       c.input<T>("torch_out_proj_weight"), out_proj_bias_of<T>(c));
+  }
+  // The loader must give exactly the X-side weights of the case (a transpose is exact).
+  EXPECT_TRUE(attn_test::identical(layer.W_Q, c.input<T>("W_Q")));
+  EXPECT_TRUE(attn_test::identical(layer.W_K, c.input<T>("W_K")));
+  EXPECT_TRUE(attn_test::identical(layer.W_V, c.input<T>("W_V")));
+  EXPECT_TRUE(attn_test::identical(layer.W_O, c.input<T>("W_O")));
+  if (layer.config().bias) {
+    EXPECT_TRUE(attn_test::identical(layer.b_Q, input_vector<T>(c, "b_Q")));
+    EXPECT_TRUE(attn_test::identical(layer.b_K, input_vector<T>(c, "b_K")));
+    EXPECT_TRUE(attn_test::identical(layer.b_V, input_vector<T>(c, "b_V")));
+    EXPECT_TRUE(attn_test::identical(layer.b_O, input_vector<T>(c, "b_O")));
+  } else {
+    EXPECT_EQ(layer.b_Q.size() + layer.b_K.size() + layer.b_V.size() + layer.b_O.size(), 0);
+  }
+  return layer;
+}
+
+/// Runs one mha_* case: output, head-averaged weights and per-head weights against PyTorch.
+template <class T>
+void check_mha_case(const std::string& name, Loader loader) {
+  const attn_test::Case c = attn_test::load_case(name);
+  const MultiHeadAttention<T> layer = layer_of<T>(c, loader);
+  EXPECT_EQ(layer.parameter_count(), c.params().at("parameter_count").get<Index>());
+
+  const Tensor3<T> query = input3<T>(c, "query");
+  const Tensor3<T> key = input3<T>(c, "key");
+  const Tensor3<T> value = input3<T>(c, "value");
+  MultiHeadOptions<T> options;
+  options.causal = causal_of(c);
+  if (c.has_input("key_valid")) options.key_valid = c.mask("key_valid");
+
+  const Tensor3<double> expected_output = expected3<double>(c, "output");
+  const Tensor3<double> expected_weights = expected3<double>(c, "weights_avg");
+  const Tensor4<double> expected_head_weights = tensor4<double>(
+      c.json().at("expected").at("weights_per_head"), name + ": expected.weights_per_head");
+
+  // No weights asked: only the output.
+  const MultiHeadResult<T> plain = layer.forward(query, key, value, options);
+  expect_near3(plain.output, expected_output, "output");
+  EXPECT_EQ(plain.weights.size(), 0);
+  EXPECT_EQ(plain.head_weights.size(), 0);
+
+  options.need_weights = true;
+  const MultiHeadResult<T> averaged = layer.forward(query, key, value, options);
+  expect_near3(averaged.output, expected_output, "output (need_weights)");
+  expect_near3(averaged.weights, expected_weights, "head-averaged weights");
+  EXPECT_EQ(averaged.head_weights.size(), 0);
+
+  options.average_weights = false;
+  const MultiHeadResult<T> per_head = layer.forward(query, key, value, options);
+  expect_near3(per_head.output, expected_output, "output (per-head weights)");
+  expect_near4(per_head.head_weights, expected_head_weights, "per-head weights");
+  EXPECT_EQ(per_head.weights.size(), 0);
+}
+
+template <class T>
+class MultiHeadReference : public ::testing::Test {};
+TYPED_TEST_SUITE(MultiHeadReference, attn_test::ScalarTypes);
+
+TYPED_TEST(MultiHeadReference, SelfAttentionBatchWithBiasesLoadedFromPyTorch) {
+  check_mha_case<TypeParam>("mha_self", Loader::PyTorch);
+}
+TYPED_TEST(MultiHeadReference, SelfAttentionBatchWithBiasesSetDirectly) {
+  check_mha_case<TypeParam>("mha_self", Loader::Direct);
+}
+TYPED_TEST(MultiHeadReference, NoBiasesLoadedFromPyTorch) {
+  check_mha_case<TypeParam>("mha_nobias", Loader::PyTorch);
+}
+TYPED_TEST(MultiHeadReference, NoBiasesSetDirectly) {
+  check_mha_case<TypeParam>("mha_nobias", Loader::Direct);
+}
+TYPED_TEST(MultiHeadReference, CausalWithKeyPaddingLoadedFromPyTorch) {
+  check_mha_case<TypeParam>("mha_causal_padding", Loader::PyTorch);
+}
+TYPED_TEST(MultiHeadReference, CausalWithKeyPaddingSetDirectly) {
+  check_mha_case<TypeParam>("mha_causal_padding", Loader::Direct);
+}
+TYPED_TEST(MultiHeadReference, CrossAttentionKdimVdimLoadedFromSeparateProjections) {
+  check_mha_case<TypeParam>("mha_cross_kdim_vdim", Loader::PyTorch);
+}
+TYPED_TEST(MultiHeadReference, CrossAttentionKdimVdimSetDirectly) {
+  check_mha_case<TypeParam>("mha_cross_kdim_vdim", Loader::Direct);
+}
+
+/// key_valid means "true = a real key" (PyTorch's key_padding_mask is the opposite): the padded
+/// keys of item 1 get exactly zero weight in every head, and the inverted table (PyTorch's meaning
+/// read as ours) does not reproduce the reference.
+TYPED_TEST(MultiHeadReference, KeyValidTrueMeansARealKey) {
+  using T = TypeParam;
+  const attn_test::Case c = attn_test::load_case("mha_causal_padding");
+  const MultiHeadAttention<T> layer = layer_of<T>(c, Loader::Direct);
+  const Tensor3<T> x = input3<T>(c, "query");
+  const Mask key_valid = c.mask("key_valid");
+  ASSERT_FALSE(key_valid.row(1).all()) << "the case pads item 1";
+  ASSERT_TRUE(key_valid.row(0).all());
+
+  MultiHeadOptions<T> options;
+  options.causal = causal_of(c);
+  options.key_valid = key_valid;
+  options.need_weights = true;
+  options.average_weights = false;
+  const MultiHeadResult<T> result = layer.forward(x, x, x, options);
+  for (Index h = 0; h < layer.config().num_heads; ++h) {
+    const attn::Matrix<T> w = head_item(result.head_weights, 1, h);
+    for (Index j = 0; j < key_valid.cols(); ++j) {
+      if (!key_valid(1, j)) {
+        EXPECT_TRUE((w.col(j).array() == T(0)).all()) << "head " << h << ", padded key " << j;
+      }
+    }
+  }
+
+  options.key_valid = Mask(!key_valid);  // PyTorch's key_padding_mask meaning, misread as ours
+  options.need_weights = false;
+  const MultiHeadResult<T> inverted = layer.forward(x, x, x, options);
+  const Tensor3<double> expected = expected3<double>(c, "output");
+  EXPECT_FALSE(attn_test::near_t<T>(item(inverted.output, 0), item(expected, 0)));
+}
+
+// ------------------------------------------------------------------------------------------------
+// attention_heads: GQA reference and properties
+// ------------------------------------------------------------------------------------------------
+
+template <class T>
+class GqaReference : public ::testing::Test {};
+TYPED_TEST_SUITE(GqaReference, attn_test::ScalarTypes);
+
+TYPED_TEST(GqaReference, CausalEightQueryHeadsOverTwoKeyValueHeads) {
+  using T = TypeParam;
+  const attn_test::Case c = attn_test::load_case("gqa_causal");
+  const Tensor3<T> Q = input3<T>(c, "Q");
+  const Tensor3<T> K = input3<T>(c, "K");
+  const Tensor3<T> V = input3<T>(c, "V");
+  ASSERT_EQ(Q.dimension(0), c.params().at("q_heads").get<Index>());
+  ASSERT_EQ(K.dimension(0), c.params().at("kv_heads").get<Index>());
+  attn::AttentionOptions<T> options;
+  options.causal = causal_of(c);
+  const Tensor3<T> out = attn::attention_heads(Q, K, V, options);
+  expect_near3(out, expected3<double>(c, "output"), "output");
+}
+
+template <class T>
+class AttentionHeads : public ::testing::Test {};
+TYPED_TEST_SUITE(AttentionHeads, attn_test::ScalarTypes);
+
+/// Repeats each key/value head `group` times: (h_kv, m, d) -> (h_kv * group, m, d), head h of the
+/// result being head h / group of the input.
+template <class T>
+Tensor3<T> repeat_heads(const Tensor3<T>& t, Index group) {
+  std::vector<attn::Matrix<T>> heads;
+  for (Index h = 0; h < t.dimension(0) * group; ++h) heads.push_back(item(t, h / group));
+  return stack(heads);
+}
+
+TYPED_TEST(AttentionHeads, GroupedQueryEqualsMultiHeadWithRepeatedKeyValueHeads) {
+  using T = TypeParam;
+  std::mt19937 rng(11);
+  const Tensor3<T> Q = random_tensor<T>(6, 5, 4, rng);
+  const Tensor3<T> K = random_tensor<T>(2, 7, 4, rng);
+  const Tensor3<T> V = random_tensor<T>(2, 7, 3, rng);
+  attn::AttentionOptions<T> options;
+  options.causal = Causal::BottomRight;
+  const Tensor3<T> gqa = attn::attention_heads(Q, K, V, options);
+  ASSERT_EQ(gqa.dimension(0), 6);
+  ASSERT_EQ(gqa.dimension(1), 5);
+  ASSERT_EQ(gqa.dimension(2), 3);
+  const Tensor3<T> mha = attn::attention_heads(Q, repeat_heads(K, 3), repeat_heads(V, 3), options);
+  for (Index h = 0; h < 6; ++h) {
+    SCOPED_TRACE("head " + std::to_string(h));
+    EXPECT_TRUE(attn_test::identical(item(gqa, h), item(mha, h)));
+    const attn_test::NaiveAttention naive =
+        attn_test::naive_attention<T>(item(Q, h), item(K, h / 3), item(V, h / 3), options);
+    EXPECT_TRUE(attn_test::near_t<T>(item(gqa, h), naive.output));
+  }
+}
+
+TYPED_TEST(AttentionHeads, MultiQueryUsesTheOneKeyValueHeadForEveryQueryHead) {
+  using T = TypeParam;
+  std::mt19937 rng(12);
+  const Tensor3<T> Q = random_tensor<T>(4, 3, 8, rng);
+  const Tensor3<T> K = random_tensor<T>(1, 6, 8, rng);
+  const Tensor3<T> V = random_tensor<T>(1, 6, 8, rng);
+  const Tensor3<T> out = attn::attention_heads(Q, K, V);
+  for (Index h = 0; h < 4; ++h) {
+    SCOPED_TRACE("head " + std::to_string(h));
+    EXPECT_TRUE(attn_test::near_t<T>(
+        item(out, h), attn::scaled_dot_product_attention(item(Q, h), item(K, 0), item(V, 0))));
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The layer: the document's shapes and properties
+// ------------------------------------------------------------------------------------------------
+
+template <class T>
+class MultiHeadLayer : public ::testing::Test {};
+TYPED_TEST_SUITE(MultiHeadLayer, attn_test::ScalarTypes);
+
+/// Gives every weight and bias of `layer` random values (the constructor's biases are zero).
+template <class T>
+void randomise(MultiHeadAttention<T>& layer, std::mt19937& rng) {
+  const auto fill = [&rng](auto& m) {
+    if (m.size() > 0) m = attn_test::random_matrix<T>(m.rows(), m.cols(), rng, 0.5);
+  };
+  fill(layer.W_Q);
+  fill(layer.W_K);
+  fill(layer.W_V);
+  fill(layer.W_O);
+  fill(layer.b_Q);
+  fill(layer.b_K);
+  fill(layer.b_V);
+  fill(layer.b_O);
+  fill(layer.bias_k);
+  fill(layer.bias_v);
+}
+
+/// nn.MultiheadAttention(embed_dim=512, num_heads=8) on x of shape (2, 10, 512): output
+/// (2, 10, 512), head-averaged weights (2, 10, 10) whose rows sum to 1, 1,050,624 parameters
+/// (4 x 262,144 + 4 x 512), d_k = 512 / 8 = 64.
+TYPED_TEST(MultiHeadLayer, DocumentShapesAndParameterCount) {
+  using T = TypeParam;
+  const MultiHeadAttention<T> mha(MultiHeadConfig{512, 8}, 2024);
+  EXPECT_EQ(mha.head_dim(), 64);
+  EXPECT_EQ(mha.parameter_count(), 1050624);
+  EXPECT_EQ(mha.parameter_count(), 4 * 262144 + 4 * 512);
+
+  std::mt19937 rng(1);
+  const Tensor3<T> x = random_tensor<T>(2, 10, 512, rng);
+  MultiHeadOptions<T> options;
+  options.need_weights = true;
+  const MultiHeadResult<T> result = mha.forward(x, x, x, options);
+  EXPECT_EQ(result.output.dimension(0), 2);
+  EXPECT_EQ(result.output.dimension(1), 10);
+  EXPECT_EQ(result.output.dimension(2), 512);
+  EXPECT_EQ(result.weights.dimension(0), 2);
+  EXPECT_EQ(result.weights.dimension(1), 10);
+  EXPECT_EQ(result.weights.dimension(2), 10);
+  for (Index b = 0; b < 2; ++b) {
+    SCOPED_TRACE("batch item " + std::to_string(b));
+    EXPECT_TRUE(attn_test::all_finite(item(result.output, b)));
+    const attn::Matrix<T> w = item(result.weights, b);
+    EXPECT_TRUE((w.array() >= T(0)).all());
+    EXPECT_TRUE(attn_test::near_t<T>(w.rowwise().sum(), attn::Vector<T>::Ones(10)));
+  }
+}
+
+TYPED_TEST(MultiHeadLayer, PerHeadWeightsAverageToTheAveragedWeights) {
+  using T = TypeParam;
+  const MultiHeadAttention<T> mha(MultiHeadConfig{512, 8}, 2024);
+  std::mt19937 rng(2);
+  const Tensor3<T> x = random_tensor<T>(2, 10, 512, rng);
+  MultiHeadOptions<T> options;
+  options.causal = Causal::BottomRight;
+  options.need_weights = true;
+  const MultiHeadResult<T> averaged = mha.forward(x, x, x, options);
+  options.average_weights = false;
+  const MultiHeadResult<T> per_head = mha.forward(x, x, x, options);
+  ASSERT_EQ(per_head.head_weights.dimension(0), 2);
+  ASSERT_EQ(per_head.head_weights.dimension(1), 8);
+  ASSERT_EQ(per_head.head_weights.dimension(2), 10);
+  ASSERT_EQ(per_head.head_weights.dimension(3), 10);
+  for (Index b = 0; b < 2; ++b) {
+    attn::Matrix<T> sum = attn::Matrix<T>::Zero(10, 10);
+    for (Index h = 0; h < 8; ++h) {
+      const attn::Matrix<T> w = head_item(per_head.head_weights, b, h);
+      EXPECT_TRUE(attn_test::near_t<T>(w.rowwise().sum(), attn::Vector<T>::Ones(10)))
+          << "batch item " << b << ", head " << h;
+      sum += w;
+    }
+    EXPECT_TRUE(attn_test::near_t<T>(item(averaged.weights, b), sum / T(8))) << "batch item " << b;
+    EXPECT_TRUE(attn_test::identical(item(averaged.output, b), item(per_head.output, b)));
+  }
+}
+
+/// One head, identity projections, zero biases: the layer is scaled dot-product attention.
+TYPED_TEST(MultiHeadLayer, OneIdentityHeadEqualsScaledDotProductAttention) {
+  using T = TypeParam;
+  constexpr Index d = 8;
+  MultiHeadAttention<T> layer(MultiHeadConfig{d, 1}, 5);
+  ASSERT_TRUE((layer.b_Q.array() == T(0)).all() && (layer.b_K.array() == T(0)).all() &&
+              (layer.b_V.array() == T(0)).all() && (layer.b_O.array() == T(0)).all())
+      << "the constructor's biases are zero";
+  layer.W_Q = layer.W_K = layer.W_V = layer.W_O = attn::Matrix<T>::Identity(d, d);
+
+  std::mt19937 rng(3);
+  const Tensor3<T> query = random_tensor<T>(2, 4, d, rng);
+  const Tensor3<T> key = random_tensor<T>(2, 6, d, rng);
+  const Tensor3<T> value = random_tensor<T>(2, 6, d, rng);
+  for (const Causal causal : {Causal::None, Causal::BottomRight, Causal::TopLeft}) {
+    MultiHeadOptions<T> options;
+    options.causal = causal;
+    attn::AttentionOptions<T> single;
+    single.causal = causal;
+    const MultiHeadResult<T> result = layer.forward(query, key, value, options);
+    for (Index b = 0; b < 2; ++b) {
+      SCOPED_TRACE("causal " + std::to_string(static_cast<int>(causal)) + ", batch item " +
+                   std::to_string(b));
+      EXPECT_TRUE(attn_test::near_t<T>(
+          item(result.output, b), attn::scaled_dot_product_attention(item(query, b), item(key, b),
+                                                                     item(value, b), single)));
+    }
+  }
+}
+
+/// A GQA layer (num_kv_heads < num_heads) equals the MHA layer whose key/value projections repeat
+/// each key/value head's columns for the query heads that share it.
+TYPED_TEST(MultiHeadLayer, GroupedQueryLayerEqualsMultiHeadWithRepeatedKeyValueHeads) {
+  using T = TypeParam;
+  constexpr Index E = 16;
+  constexpr Index heads = 4;
+  constexpr Index kv_heads = 2;
+  MultiHeadConfig gqa_config{E, heads};
+  gqa_config.num_kv_heads = kv_heads;
+  MultiHeadAttention<T> gqa(gqa_config, 6);
+  std::mt19937 rng(4);
+  randomise(gqa, rng);
+  const Index hd = gqa.head_dim();
+  ASSERT_EQ(gqa.W_K.cols(), kv_heads * hd);
+  ASSERT_EQ(gqa.W_V.cols(), kv_heads * hd);
+  ASSERT_EQ(gqa.b_K.size(), kv_heads * hd);
+  EXPECT_EQ(gqa.parameter_count(), 2 * (E * E + E) + 2 * (E * kv_heads * hd + kv_heads * hd));
+
+  MultiHeadAttention<T> mha(MultiHeadConfig{E, heads}, 7);
+  mha.W_Q = gqa.W_Q;
+  mha.b_Q = gqa.b_Q;
+  mha.W_O = gqa.W_O;
+  mha.b_O = gqa.b_O;
+  const Index group = heads / kv_heads;
+  for (Index h = 0; h < heads; ++h) {
+    const Index kv = h / group;
+    mha.W_K.middleCols(h * hd, hd) = gqa.W_K.middleCols(kv * hd, hd);
+    mha.W_V.middleCols(h * hd, hd) = gqa.W_V.middleCols(kv * hd, hd);
+    mha.b_K.segment(h * hd, hd) = gqa.b_K.segment(kv * hd, hd);
+    mha.b_V.segment(h * hd, hd) = gqa.b_V.segment(kv * hd, hd);
+  }
+
+  const Tensor3<T> query = random_tensor<T>(2, 5, E, rng);
+  const Tensor3<T> key = random_tensor<T>(2, 7, E, rng);
+  const Tensor3<T> value = random_tensor<T>(2, 7, E, rng);
+  MultiHeadOptions<T> options;
+  options.causal = Causal::BottomRight;
+  options.need_weights = true;
+  options.average_weights = false;
+  const MultiHeadResult<T> expected = mha.forward(query, key, value, options);
+  const MultiHeadResult<T> actual = gqa.forward(query, key, value, options);
+  expect_near3(actual.output, expected.output, "output");
+  expect_near4(actual.head_weights, expected.head_weights, "per-head weights");
+}
+
+/// A batch item whose keys are all padding attends nothing: zero weights and a zero attention
+/// output (so the layer's output is the output bias), never NaN (PyTorch 1.13 gives NaN here).
+/// The other item is unaffected.
+TYPED_TEST(MultiHeadLayer, FullyPaddedBatchItemGivesZerosNotNaN) {
+  using T = TypeParam;
+  std::mt19937 rng(5);
+  const Tensor3<T> x = random_tensor<T>(2, 4, 8, rng);
+  Mask key_valid = Mask::Constant(2, 4, true);
+  key_valid.row(1).setConstant(false);
+
+  for (const bool bias : {false, true}) {
+    SCOPED_TRACE(bias ? "with biases" : "without biases");
+    MultiHeadConfig config{8, 2};
+    config.bias = bias;
+    MultiHeadAttention<T> layer(config, 8);
+    randomise(layer, rng);
+    MultiHeadOptions<T> options;
+    options.key_valid = key_valid;
+    options.need_weights = true;
+    const MultiHeadResult<T> averaged = layer.forward(x, x, x, options);
+    options.average_weights = false;
+    const MultiHeadResult<T> per_head = layer.forward(x, x, x, options);
+
+    const attn::Matrix<T> padded_output = item(averaged.output, 1);
+    EXPECT_TRUE(attn_test::all_finite(padded_output));
+    const attn::Matrix<T> expected_output =
+        bias ? attn::Matrix<T>(layer.b_O.replicate(4, 1)) : attn::Matrix<T>::Zero(4, 8);
+    EXPECT_TRUE(attn_test::identical(padded_output, expected_output));
+    EXPECT_TRUE(attn_test::identical(item(averaged.weights, 1), attn::Matrix<T>::Zero(4, 4)));
+    for (Index h = 0; h < 2; ++h) {
+      EXPECT_TRUE(
+          attn_test::identical(head_item(per_head.head_weights, 1, h), attn::Matrix<T>::Zero(4, 4)))
+          << "head " << h;
+    }
+    // Item 0 (all keys real) is what it is without any key_valid.
+    const attn::Matrix<T> alone = layer.forward(item(x, 0));
+    EXPECT_TRUE(attn_test::near_t<T>(item(averaged.output, 0), alone));
+  }
+}
+
+/// `forward(Matrix)` (one sequence, self-attention) equals the batch forward, item by item.
+TYPED_TEST(MultiHeadLayer, SingleSequenceForwardEqualsBatchForward) {
+  using T = TypeParam;
+  MultiHeadAttention<T> layer(MultiHeadConfig{12, 3}, 9);
+  std::mt19937 rng(6);
+  randomise(layer, rng);
+  const Tensor3<T> x = random_tensor<T>(3, 5, 12, rng);
+  MultiHeadOptions<T> options;
+  options.causal = Causal::BottomRight;
+  const MultiHeadResult<T> batch = layer.forward(x, x, x, options);
+  for (Index b = 0; b < 3; ++b) {
+    SCOPED_TRACE("batch item " + std::to_string(b));
+    const attn::Matrix<T> single = layer.forward(item(x, b), options);
+    EXPECT_TRUE(attn_test::near_t<T>(single, item(batch.output, b)));
+    const Tensor3<T> one = stack<T>({item(x, b)});
+    EXPECT_TRUE(
+        attn_test::identical(single, item(layer.forward(one, one, one, options).output, 0)));
+  }
+}
+
+/// The layer computed independently, by plain loops in long double, with PyTorch's semantics of
+/// add_bias_kv and add_zero_attn: after the projections, each batch item's keys (values) get the
+/// row bias_k (bias_v), then a zero row; the (n x m) masks are padded with `allowed` columns.
+struct NaiveLayer {
+  std::vector<LMatrix> output;   ///< per batch item, n x E
+  std::vector<LMatrix> weights;  ///< per batch item, n x (m + extra), averaged over heads
+};
+
+template <class T>
+NaiveLayer naive_layer(const MultiHeadAttention<T>& layer, const Tensor3<T>& query,
+                       const Tensor3<T>& key, const Tensor3<T>& value, Causal causal,
+                       const Mask& key_valid) {
+  const MultiHeadConfig& config = layer.config();
+  const Index n = query.dimension(1);
+  const Index m = key.dimension(1);
+  const Index heads = config.num_heads;
+  const Index hd = config.embed_dim / heads;
+  const Index group = heads / (config.num_kv_heads == 0 ? heads : config.num_kv_heads);
+  const Index extra = (config.add_bias_kv ? 1 : 0) + (config.add_zero_attn ? 1 : 0);
+  const auto plus_bias = [](LMatrix Y, const attn::RowVector<T>& b) {
+    if (b.size() > 0) Y.rowwise() += attn_test::to_long_double(b).row(0);
+    return Y;
+  };
+  NaiveLayer r;
+  for (Index b = 0; b < query.dimension(0); ++b) {
+    const LMatrix Q = plus_bias(attn_test::naive_product(item(query, b), layer.W_Q), layer.b_Q);
+    const LMatrix K = plus_bias(attn_test::naive_product(item(key, b), layer.W_K), layer.b_K);
+    const LMatrix V = plus_bias(attn_test::naive_product(item(value, b), layer.W_V), layer.b_V);
+    LMatrix K_ext = LMatrix::Zero(m + extra, K.cols());
+    LMatrix V_ext = LMatrix::Zero(m + extra, V.cols());
+    K_ext.topRows(m) = K;
+    V_ext.topRows(m) = V;
+    if (config.add_bias_kv) {  // then the zero row of add_zero_attn, already there
+      K_ext.row(m) = attn_test::to_long_double(layer.bias_k).row(0);
+      V_ext.row(m) = attn_test::to_long_double(layer.bias_v).row(0);
+    }
+    attn::AttentionOptions<T> options;
+    options.mask = Mask::Constant(n, m + extra, true);
+    for (Index i = 0; i < n; ++i) {
+      for (Index j = 0; j < m; ++j) {
+        (*options.mask)(i, j) =
+            attn_test::naive_allowed(i, j, n, m, causal, std::nullopt) && key_valid(b, j);
+      }
+    }
+    LMatrix concat(n, heads * hd);
+    LMatrix weights = LMatrix::Zero(n, m + extra);
+    for (Index h = 0; h < heads; ++h) {
+      const Index kv = h / group;
+      const attn_test::NaiveAttention head =
+          attn_test::naive_attention<T>(Q.middleCols(h * hd, hd), K_ext.middleCols(kv * hd, hd),
+                                        V_ext.middleCols(kv * hd, hd), options);
+      concat.middleCols(h * hd, hd) = head.output;
+      weights += head.weights / static_cast<long double>(heads);
+    }
+    r.output.push_back(plus_bias(attn_test::naive_product(concat, layer.W_O), layer.b_O));
+    r.weights.push_back(weights);
+  }
+  return r;
+}
+
+template <class T>
+void check_extra_keys(bool add_bias_kv, bool add_zero_attn, Index num_kv_heads) {
+  MultiHeadConfig config{8, 2};
+  config.add_bias_kv = add_bias_kv;
+  config.add_zero_attn = add_zero_attn;
+  config.num_kv_heads = num_kv_heads;
+  MultiHeadAttention<T> layer(config, 10);
+  const Index kv_width = layer.W_K.cols();
+  EXPECT_EQ(layer.bias_k.size(), add_bias_kv ? kv_width : 0);
+  EXPECT_EQ(layer.bias_v.size(), add_bias_kv ? kv_width : 0);
+  // PyTorch counts bias_k and bias_v among the parameters.
+  EXPECT_EQ(layer.parameter_count(), layer.W_Q.size() + layer.W_K.size() + layer.W_V.size() +
+                                         layer.W_O.size() + 8 + 2 * kv_width + 8 +
+                                         (add_bias_kv ? 2 * kv_width : 0));
+  std::mt19937 rng(7);
+  randomise(layer, rng);
+
+  const Index n = 3;
+  const Index m = 4;
+  const Tensor3<T> query = random_tensor<T>(2, n, 8, rng);
+  const Tensor3<T> key = random_tensor<T>(2, m, 8, rng);
+  const Tensor3<T> value = random_tensor<T>(2, m, 8, rng);
+  Mask key_valid = Mask::Constant(2, m, true);
+  key_valid(1, m - 1) = false;
+  key_valid(1, 0) = false;
+
+  for (const Causal causal : {Causal::None, Causal::BottomRight}) {
+    SCOPED_TRACE(causal == Causal::None ? "no causal mask" : "causal, bottom right");
+    MultiHeadOptions<T> options;
+    options.causal = causal;
+    options.key_valid = key_valid;
+    options.need_weights = true;
+    const MultiHeadResult<T> result = layer.forward(query, key, value, options);
+    const NaiveLayer expected = naive_layer(layer, query, key, value, causal, key_valid);
+    const Index extra = (add_bias_kv ? 1 : 0) + (add_zero_attn ? 1 : 0);
+    ASSERT_EQ(result.weights.dimension(2), m + extra);
+    for (Index b = 0; b < 2; ++b) {
+      SCOPED_TRACE("batch item " + std::to_string(b));
+      EXPECT_TRUE(attn_test::near_t<T>(item(result.output, b), expected.output[to_size(b)]));
+      EXPECT_TRUE(attn_test::near_t<T>(item(result.weights, b), expected.weights[to_size(b)]));
+    }
+    options.average_weights = false;
+    const MultiHeadResult<T> per_head = layer.forward(query, key, value, options);
+    ASSERT_EQ(per_head.head_weights.dimension(3), m + extra);
+  }
+}
+
+TYPED_TEST(MultiHeadLayer, AddBiasKvAppendsTheLearnedRowAfterProjection) {
+  check_extra_keys<TypeParam>(true, false, 0);
+}
+TYPED_TEST(MultiHeadLayer, AddZeroAttnAppendsAZeroRow) {
+  check_extra_keys<TypeParam>(false, true, 0);
+}
+TYPED_TEST(MultiHeadLayer, AddBiasKvThenZeroAttn) { check_extra_keys<TypeParam>(true, true, 0); }
+TYPED_TEST(MultiHeadLayer, AddBiasKvAndZeroAttnWithGroupedQueryHeads) {
+  check_extra_keys<TypeParam>(true, true, 1);
+}
+
+/// Xavier-uniform from the seed: same seed -> same weights; another seed -> other weights; every
+/// entry within sqrt(6 / (fan_in + fan_out)) of its matrix; biases zero.
+TYPED_TEST(MultiHeadLayer, XavierInitialisationIsDeterministicAndBounded) {
+  using T = TypeParam;
+  MultiHeadConfig config{16, 4};
+  config.kdim = 6;
+  config.vdim = 10;
+  config.num_kv_heads = 2;
+  const MultiHeadAttention<T> a(config, 42);
+  const MultiHeadAttention<T> same(config, 42);
+  const MultiHeadAttention<T> other(config, 43);
+  const std::vector<std::pair<const char*, const attn::Matrix<T>*>> weights = {
+      {"W_Q", &a.W_Q}, {"W_K", &a.W_K}, {"W_V", &a.W_V}, {"W_O", &a.W_O}};
+  EXPECT_EQ(a.W_Q.rows(), 16);
+  EXPECT_EQ(a.W_Q.cols(), 16);
+  EXPECT_EQ(a.W_K.rows(), 6);
+  EXPECT_EQ(a.W_K.cols(), 8);
+  EXPECT_EQ(a.W_V.rows(), 10);
+  EXPECT_EQ(a.W_V.cols(), 8);
+  EXPECT_EQ(a.W_O.rows(), 16);
+  EXPECT_EQ(a.W_O.cols(), 16);
+
+  EXPECT_TRUE(attn_test::identical(a.W_Q, same.W_Q));
+  EXPECT_TRUE(attn_test::identical(a.W_K, same.W_K));
+  EXPECT_TRUE(attn_test::identical(a.W_V, same.W_V));
+  EXPECT_TRUE(attn_test::identical(a.W_O, same.W_O));
+  EXPECT_FALSE((a.W_Q.array() == other.W_Q.array()).any());
+  EXPECT_FALSE((a.W_K.array() == other.W_K.array()).any());
+  EXPECT_FALSE((a.W_V.array() == other.W_V.array()).any());
+  EXPECT_FALSE((a.W_O.array() == other.W_O.array()).any());
+  // The four matrices are not copies of one another.
+  EXPECT_FALSE(attn_test::identical(a.W_Q.topRows(6), a.W_O.topRows(6)));
+
+  for (const auto& [name, W] : weights) {
+    SCOPED_TRACE(name);
+    const double bound = std::sqrt(6.0 / static_cast<double>(W->rows() + W->cols()));
+    const double largest = static_cast<double>(W->cwiseAbs().maxCoeff());
+    EXPECT_LE(largest, bound);
+    EXPECT_GT(largest, 0.5 * bound) << "the entries should spread over [-bound, bound]";
+    EXPECT_LT(static_cast<double>(W->minCoeff()), 0.0);
+    EXPECT_GT(static_cast<double>(W->maxCoeff()), 0.0);
+  }
+  for (const attn::RowVector<T>* b : {&a.b_Q, &a.b_K, &a.b_V, &a.b_O}) {
+    EXPECT_GT(b->size(), 0);
+    EXPECT_TRUE((b->array() == T(0)).all());
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Errors: attn::shape_error with both shapes (or sizes) in the message
+// ------------------------------------------------------------------------------------------------
+
+/// `call` throws attn::shape_error whose message starts with "attn::" and contains every part.
+void expect_shape_error(const std::function<void()>& call,
+                        std::initializer_list<const char*> parts) {
+  try {
+    call();
+  } catch (const attn::shape_error& error) {
+    const std::string message = error.what();
+    EXPECT_EQ(message.rfind("attn::", 0), 0u) << message;
+    for (const char* part : parts) {
+      EXPECT_NE(message.find(part), std::string::npos)
+          << "message lacks '" << part << "': " << message;
+    }
+    return;
+  } catch (const std::exception& error) {
+    ADD_FAILURE() << "threw something other than attn::shape_error: " << error.what();
+    return;
+  }
+  ADD_FAILURE() << "did not throw";
+}
+
+using Layer = MultiHeadAttention<float>;
+using Tensor = Tensor3<float>;
+
+Tensor zeros(Index a, Index b, Index c) {
+  Tensor t(a, b, c);
+  t.setZero();
+  return t;
+}
+
+TEST(MultiHeadErrors, EmbedDimNotDivisibleByNumHeads) {
+  expect_shape_error([] { Layer layer(MultiHeadConfig{10, 4}); }, {"10", "4", "divisible"});
+}
+
+TEST(MultiHeadErrors, NumHeadsNotDivisibleByNumKvHeads) {
+  MultiHeadConfig config{12, 4};
+  config.num_kv_heads = 3;
+  expect_shape_error([&] { Layer layer(config); }, {"num_heads 4", "num_kv_heads 3"});
+}
+
+TEST(MultiHeadErrors, NonPositiveEmbedDimOrHeads) {
+  expect_shape_error([] { Layer layer(MultiHeadConfig{0, 1}); }, {"embed_dim = 0"});
+  expect_shape_error([] { Layer layer(MultiHeadConfig{8, 0}); }, {"num_heads = 0"});
+}
+
+TEST(MultiHeadErrors, QueryKeyBatchMismatch) {
+  const Layer layer(MultiHeadConfig{8, 2});
+  expect_shape_error([&] { layer.forward(zeros(2, 3, 8), zeros(3, 4, 8), zeros(3, 4, 8)); },
+                     {"batch", "(2, 3, 8)", "(3, 4, 8)"});
+}
+
+TEST(MultiHeadErrors, ValueBatchMismatch) {
+  const Layer layer(MultiHeadConfig{8, 2});
+  expect_shape_error([&] { layer.forward(zeros(2, 3, 8), zeros(2, 4, 8), zeros(1, 4, 8)); },
+                     {"batch", "(2, 4, 8)", "(1, 4, 8)"});
+}
+
+TEST(MultiHeadErrors, QueryWidthDiffersFromEmbedDim) {
+  const Layer layer(MultiHeadConfig{8, 2});
+  expect_shape_error([&] { layer.forward(zeros(1, 3, 6), zeros(1, 4, 8), zeros(1, 4, 8)); },
+                     {"embed_dim is 8", "(1, 3, 6)"});
+}
+
+TEST(MultiHeadErrors, KeyWidthDiffersFromKdim) {
+  MultiHeadConfig config{8, 2};
+  config.kdim = 5;
+  const Layer layer(config);
+  expect_shape_error([&] { layer.forward(zeros(1, 3, 8), zeros(1, 4, 8), zeros(1, 4, 8)); },
+                     {"kdim is 5", "(1, 4, 8)"});
+}
+
+TEST(MultiHeadErrors, ValueWidthDiffersFromVdim) {
+  MultiHeadConfig config{8, 2};
+  config.vdim = 7;
+  const Layer layer(config);
+  expect_shape_error([&] { layer.forward(zeros(1, 3, 8), zeros(1, 4, 8), zeros(1, 4, 8)); },
+                     {"vdim is 7", "(1, 4, 8)"});
+}
+
+TEST(MultiHeadErrors, KeyValueTokenMismatch) {
+  const Layer layer(MultiHeadConfig{8, 2});
+  expect_shape_error([&] { layer.forward(zeros(1, 3, 8), zeros(1, 4, 8), zeros(1, 5, 8)); },
+                     {"tokens", "(1, 4, 8)", "(1, 5, 8)"});
+}
+
+TEST(MultiHeadErrors, MaskShape) {
+  const Layer layer(MultiHeadConfig{8, 2});
+  MultiHeadOptions<float> options;
+  options.mask = Mask::Constant(3, 5, true);
+  expect_shape_error(
+      [&] { layer.forward(zeros(1, 3, 8), zeros(1, 4, 8), zeros(1, 4, 8), options); },
+      {"mask", "3 x 5", "3 x 4"});
+}
+
+TEST(MultiHeadErrors, KeyValidShape) {
+  const Layer layer(MultiHeadConfig{8, 2});
+  MultiHeadOptions<float> options;
+  options.key_valid = Mask::Constant(1, 4, true);
+  expect_shape_error(
+      [&] { layer.forward(zeros(2, 3, 8), zeros(2, 4, 8), zeros(2, 4, 8), options); },
+      {"key_valid", "1 x 4", "2 x 4"});
+}
+
+TEST(MultiHeadErrors, SingleSequenceForwardNeedsSelfAttentionWidths) {
+  MultiHeadConfig config{8, 2};
+  config.kdim = 6;
+  const Layer layer(config);
+  expect_shape_error([&] { layer.forward(attn::Matrix<float>::Zero(3, 8)); }, {"kdim is 6"});
+}
+
+TEST(MultiHeadErrors, PyTorchInProjWeightShape) {
+  Layer layer(MultiHeadConfig{8, 2});
+  expect_shape_error(
+      [&] {
+        layer.load_pytorch(attn::Matrix<float>::Zero(23, 8), attn::RowVector<float>::Zero(24),
+                           attn::Matrix<float>::Zero(8, 8), attn::RowVector<float>::Zero(8));
+      },
+      {"in_proj_weight", "23 x 8", "24 x 8"});
+}
+
+TEST(MultiHeadErrors, PyTorchOutProjWeightShape) {
+  Layer layer(MultiHeadConfig{8, 2});
+  expect_shape_error(
+      [&] {
+        layer.load_pytorch(attn::Matrix<float>::Zero(24, 8), attn::RowVector<float>::Zero(24),
+                           attn::Matrix<float>::Zero(8, 7), attn::RowVector<float>::Zero(8));
+      },
+      {"out_proj_weight", "8 x 7", "8 x 8"});
+}
+
+TEST(MultiHeadErrors, PyTorchBiasSizes) {
+  Layer layer(MultiHeadConfig{8, 2});
+  expect_shape_error(
+      [&] {
+        layer.load_pytorch(attn::Matrix<float>::Zero(24, 8), attn::RowVector<float>::Zero(23),
+                           attn::Matrix<float>::Zero(8, 8), attn::RowVector<float>::Zero(8));
+      },
+      {"in_proj_bias", "23", "24"});
+  MultiHeadConfig no_bias{8, 2};
+  no_bias.bias = false;
+  Layer unbiased(no_bias);
+  expect_shape_error(
+      [&] {
+        unbiased.load_pytorch(attn::Matrix<float>::Zero(24, 8), attn::RowVector<float>::Zero(24),
+                              attn::Matrix<float>::Zero(8, 8), attn::RowVector<float>());
+      },
+      {"in_proj_bias", "24", "bias = false"});
+}
+
+TEST(MultiHeadErrors, PyTorchSeparateProjectionShapes) {
+  MultiHeadConfig config{8, 2};
+  config.kdim = 6;
+  config.vdim = 10;
+  Layer layer(config);
+  expect_shape_error(
+      [&] {
+        layer.load_pytorch(attn::Matrix<float>::Zero(8, 8), attn::Matrix<float>::Zero(6, 8),
+                           attn::Matrix<float>::Zero(8, 10), attn::RowVector<float>::Zero(24),
+                           attn::Matrix<float>::Zero(8, 8), attn::RowVector<float>::Zero(8));
+      },
+      {"k_proj_weight", "6 x 8", "8 x 6"});
+  // The packed overload cannot hold kdim != embed_dim.
+  expect_shape_error(
+      [&] {
+        layer.load_pytorch(attn::Matrix<float>::Zero(24, 8), attn::RowVector<float>::Zero(24),
+                           attn::Matrix<float>::Zero(8, 8), attn::RowVector<float>::Zero(8));
+      },
+      {"kdim 6", "vdim 10", "embed_dim 8"});
+}
+
+TEST(MultiHeadErrors, PyTorchLoaderRejectsGroupedQueryLayers) {
+  MultiHeadConfig config{8, 4};
+  config.num_kv_heads = 2;
+  Layer layer(config);
+  expect_shape_error(
+      [&] {
+        layer.load_pytorch(attn::Matrix<float>::Zero(24, 8), attn::RowVector<float>::Zero(24),
+                           attn::Matrix<float>::Zero(8, 8), attn::RowVector<float>::Zero(8));
+      },
+      {"num_kv_heads = 2", "num_heads = 4"});
+}
+
+TEST(MultiHeadErrors, AttentionHeadsQueryHeadsNotAMultipleOfKeyValueHeads) {
+  expect_shape_error([] { attn::attention_heads(zeros(3, 2, 4), zeros(2, 5, 4), zeros(2, 5, 4)); },
+                     {"multiple", "(3, 2, 4)", "(2, 5, 4)"});
+}
+
+TEST(MultiHeadErrors, AttentionHeadsKeyValueHeadCountMismatch) {
+  expect_shape_error([] { attn::attention_heads(zeros(4, 2, 4), zeros(2, 5, 4), zeros(1, 5, 4)); },
+                     {"same number of heads", "(2, 5, 4)", "(1, 5, 4)"});
+}
+
+TEST(MultiHeadErrors, AttentionHeadsKeyValueTokenMismatch) {
+  expect_shape_error([] { attn::attention_heads(zeros(4, 2, 4), zeros(2, 5, 4), zeros(2, 6, 4)); },
+                     {"tokens", "(2, 5, 4)", "(2, 6, 4)"});
+}
+
+TEST(MultiHeadErrors, AttentionHeadsQueryKeyWidthMismatch) {
+  expect_shape_error([] { attn::attention_heads(zeros(4, 2, 4), zeros(2, 5, 3), zeros(2, 5, 4)); },
+                     {"features", "(4, 2, 4)", "(2, 5, 3)"});
+}
+
+TEST(MultiHeadErrors, AttentionHeadsMaskShape) {
+  attn::AttentionOptions<float> options;
+  options.mask = Mask::Constant(2, 4, true);
+  expect_shape_error(
+      [&] { attn::attention_heads(zeros(4, 2, 4), zeros(2, 5, 4), zeros(2, 5, 4), options); },
+      {"mask", "2 x 4", "2 x 5"});
+}
+
+}  // namespace

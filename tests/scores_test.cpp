@@ -1,1 +1,124 @@
+/// scores.hpp: the score kernel `scale * Q K^T`, against naive loops written here.
+
 #include <gtest/gtest.h>
+
+#include <attn/scores.hpp>
+#include <cmath>
+#include <random>
+
+#include "test_support.hpp"
+
+namespace {
+
+using attn::Index;
+using attn_test::LMatrix;
+
+/// scale * Q K^T by plain loops in long double.
+template <class T>
+LMatrix naive_scores(const attn::Matrix<T>& Q, const attn::Matrix<T>& K, long double scale) {
+  LMatrix S(Q.rows(), K.rows());
+  for (Index i = 0; i < Q.rows(); ++i) {
+    for (Index j = 0; j < K.rows(); ++j) {
+      long double dot = 0;
+      for (Index k = 0; k < Q.cols(); ++k) {
+        dot += static_cast<long double>(Q(i, k)) * static_cast<long double>(K(j, k));
+      }
+      S(i, j) = scale * dot;
+    }
+  }
+  return S;
+}
+
+template <class T>
+class Scores : public ::testing::Test {};
+TYPED_TEST_SUITE(Scores, attn_test::ScalarTypes);
+
+TYPED_TEST(Scores, DefaultScaleIsOneOverSqrtDk) {
+  using T = TypeParam;
+  std::mt19937 rng(21);
+  for (const Index d : {1, 3, 16, 64}) {
+    const attn::Matrix<T> Q = attn_test::random_matrix<T>(5, d, rng);
+    const attn::Matrix<T> K = attn_test::random_matrix<T>(7, d, rng);
+    const attn::Matrix<T> S = attn::scores(Q, K);
+    EXPECT_TRUE(
+        attn_test::near_t<T>(S, naive_scores(Q, K, 1.0L / std::sqrt(static_cast<long double>(d)))))
+        << "d_k = " << d;
+  }
+}
+
+TYPED_TEST(Scores, IntegerInputsWithUnitScaleAreExact) {
+  using T = TypeParam;
+  attn::Matrix<T> Q(2, 3);
+  Q << 1, 2, 3, -1, 0, 4;
+  attn::Matrix<T> K(3, 3);
+  K << 2, 0, 1, 1, 1, 1, -3, 2, 0;
+  // Row i, column j: q_i . k_j, by hand.
+  attn::Matrix<T> expected(2, 3);
+  expected << 5, 6, 1,  //
+      2, 3, 3;
+  EXPECT_TRUE(attn_test::identical(attn::scores(Q, K, T(1)), expected));
+  // With d_k = 3 the default scale is 1/sqrt(3).
+  EXPECT_TRUE(attn_test::near_t<T>(attn::scores(Q, K),
+                                   attn_test::to_long_double(expected) / std::sqrt(3.0L)));
+  // A power-of-two scale is exact too.
+  EXPECT_TRUE(
+      attn_test::identical(attn::scores(Q, K, T(0.25)), attn::Matrix<T>(expected * T(0.25))));
+}
+
+TYPED_TEST(Scores, ExplicitScale) {
+  using T = TypeParam;
+  std::mt19937 rng(22);
+  const attn::Matrix<T> Q = attn_test::random_matrix<T>(4, 8, rng);
+  const attn::Matrix<T> K = attn_test::random_matrix<T>(6, 8, rng);
+  for (const double scale : {0.5, 1.0, 0.1, -2.0, 0.0}) {
+    EXPECT_TRUE(
+        attn_test::near_t<T>(attn::scores(Q, K, static_cast<T>(scale)),
+                             naive_scores(Q, K, static_cast<long double>(static_cast<T>(scale)))))
+        << "scale = " << scale;
+  }
+}
+
+TYPED_TEST(Scores, CallerStorageOverloadReusesStorage) {
+  using T = TypeParam;
+  std::mt19937 rng(23);
+  const attn::Matrix<T> Q = attn_test::random_matrix<T>(6, 8, rng);
+  const attn::Matrix<T> K = attn_test::random_matrix<T>(9, 8, rng);
+  const T scale = T(0.375);
+
+  attn::Matrix<T> S(6, 9);
+  S.setConstant(T(123));
+  const T* data = S.data();
+  attn::scores(Q, K, scale, S);
+  EXPECT_EQ(S.data(), data) << "S had the right size: no reallocation";
+  EXPECT_TRUE(attn_test::identical(S, attn::scores(Q, K, scale)));
+  EXPECT_TRUE(attn_test::near_t<T>(S, naive_scores(Q, K, 0.375L)));
+
+  // A second call with other inputs of the same shape reuses it again.
+  const attn::Matrix<T> Q2 = attn_test::random_matrix<T>(6, 8, rng);
+  attn::scores(Q2, K, scale, S);
+  EXPECT_EQ(S.data(), data);
+  EXPECT_TRUE(attn_test::identical(S, attn::scores(Q2, K, scale)));
+
+  // Storage of the wrong size is resized.
+  attn::Matrix<T> wrong(2, 2);
+  attn::scores(Q, K, scale, wrong);
+  EXPECT_EQ(wrong.rows(), 6);
+  EXPECT_EQ(wrong.cols(), 9);
+  EXPECT_TRUE(attn_test::identical(wrong, attn::scores(Q, K, scale)));
+}
+
+TYPED_TEST(Scores, RectangularAndEmpty) {
+  using T = TypeParam;
+  std::mt19937 rng(24);
+  const attn::Matrix<T> Q = attn_test::random_matrix<T>(1, 4, rng);
+  const attn::Matrix<T> K = attn_test::random_matrix<T>(11, 4, rng);
+  EXPECT_TRUE(attn_test::near_t<T>(attn::scores(Q, K), naive_scores(Q, K, 0.5L)));
+  const attn::Matrix<T> none = attn::scores(attn::Matrix<T>(0, 4), K);
+  EXPECT_EQ(none.rows(), 0);
+  EXPECT_EQ(none.cols(), 11);
+  const attn::Matrix<T> no_keys = attn::scores(Q, attn::Matrix<T>(0, 4));
+  EXPECT_EQ(no_keys.rows(), 1);
+  EXPECT_EQ(no_keys.cols(), 0);
+}
+
+}  // namespace

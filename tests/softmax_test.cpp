@@ -1,1 +1,162 @@
+/// softmax.hpp: `softmax_rows` and `softmax_rows_inplace`, against PyTorch (softmax_rows.json) and
+/// against a naive long double softmax written here.
+
 #include <gtest/gtest.h>
+
+#include <attn/softmax.hpp>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <utility>
+
+#include "test_support.hpp"
+
+namespace {
+
+using attn::Index;
+using attn_test::LMatrix;
+
+/// The textbook softmax of each row, in long double: exp(x - max) / sum; -inf -> 0; an all -inf
+/// row -> zeros.
+template <class D>
+LMatrix naive_softmax(const Eigen::MatrixBase<D>& S) {
+  const long double neg_inf = -std::numeric_limits<long double>::infinity();
+  LMatrix P = attn_test::to_long_double(S);
+  for (Index i = 0; i < P.rows(); ++i) {
+    long double max = neg_inf;
+    for (Index j = 0; j < P.cols(); ++j) max = std::max(max, P(i, j));
+    long double sum = 0;
+    for (Index j = 0; j < P.cols(); ++j) {
+      P(i, j) = max == neg_inf ? 0.0L : std::exp(P(i, j) - max);
+      sum += P(i, j);
+    }
+    for (Index j = 0; j < P.cols(); ++j) P(i, j) = sum > 0 ? P(i, j) / sum : 0.0L;
+  }
+  return P;
+}
+
+template <class T>
+class Softmax : public ::testing::Test {};
+TYPED_TEST_SUITE(Softmax, attn_test::ScalarTypes);
+
+// PyTorch's float64 softmax of hard rows: -inf entries, an all -inf row, 1000 vs 1001, +-3e38
+// (finite in float too: FLT_MAX is 3.4e38), and -1e4.
+TYPED_TEST(Softmax, ReferenceCase) {
+  using T = TypeParam;
+  const attn_test::Case c = attn_test::load_case("softmax_rows");
+  const attn::Matrix<T> S = c.input<T>("S");
+  const attn::Matrix<T> expected = c.expected<T>("P");
+  ASSERT_EQ(S.rows(), 6);
+  const attn::Matrix<T> P = attn::softmax_rows(S);
+  EXPECT_TRUE(attn_test::all_finite(P));
+  EXPECT_TRUE(attn_test::near_t<T>(P, c.expected<double>("P")));
+  // Where PyTorch gives exactly 0 (every -inf entry, the all -inf row, the -3e38 entry next to
+  // +3e38), so must we: exactly, not a denormal.
+  for (Index i = 0; i < S.rows(); ++i) {
+    for (Index j = 0; j < S.cols(); ++j) {
+      if (expected(i, j) == T(0)) {
+        EXPECT_EQ(P(i, j), T(0)) << "at (" << i << ", " << j << ")";
+      }
+      if (S(i, j) == -std::numeric_limits<T>::infinity()) {
+        EXPECT_EQ(P(i, j), T(0)) << "at (" << i << ", " << j << ")";
+      }
+    }
+  }
+  attn::Matrix<T> in_place = S;
+  attn::softmax_rows_inplace(in_place);
+  EXPECT_TRUE(attn_test::identical(in_place, P));
+}
+
+TYPED_TEST(Softmax, AgainstNaiveOnRandomRows) {
+  using T = TypeParam;
+  std::mt19937 rng(1234);
+  const attn::Matrix<T> S = attn_test::random_matrix<T>(9, 13, rng, 3.0);
+  const attn::Matrix<T> P = attn::softmax_rows(S);
+  EXPECT_TRUE(attn_test::near_t<T>(P, naive_softmax(S)));
+  // Each row is a probability distribution.
+  for (Index i = 0; i < P.rows(); ++i) {
+    EXPECT_NEAR(static_cast<double>(P.row(i).sum()), 1.0, 10 * attn_test::Tol<T>::rel);
+    EXPECT_GT(P.row(i).minCoeff(), T(0));
+  }
+}
+
+TYPED_TEST(Softmax, NegativeInfinityGivesExactZeroAndAllNegativeInfinityRowGivesZeros) {
+  using T = TypeParam;
+  const T inf = std::numeric_limits<T>::infinity();
+  attn::Matrix<T> S(3, 4);
+  S << -inf, T(0.5), -inf, T(-2),  //
+      -inf, -inf, -inf, -inf,      //
+      T(3), -inf, -inf, -inf;
+  const attn::Matrix<T> P = attn::softmax_rows(S);
+  // Row 1: softmax of [0.5, -2] on the finite entries, computed here.
+  const long double e = std::exp(-2.5L);
+  EXPECT_EQ(P(0, 0), T(0));
+  EXPECT_EQ(P(0, 2), T(0));
+  EXPECT_NEAR(static_cast<double>(P(0, 1)), static_cast<double>(1 / (1 + e)),
+              attn_test::Tol<T>::rel);
+  EXPECT_NEAR(static_cast<double>(P(0, 3)), static_cast<double>(e / (1 + e)),
+              attn_test::Tol<T>::rel);
+  // Row 2: nothing to attend -> all zeros, not NaN.
+  EXPECT_TRUE(attn_test::identical(P.row(1), attn::Matrix<T>::Zero(1, 4)));
+  // Row 3: a single finite entry takes all the weight, exactly.
+  EXPECT_EQ(P(2, 0), T(1));
+  EXPECT_EQ(P(2, 1), T(0));
+  EXPECT_EQ(P(2, 3), T(0));
+}
+
+TYPED_TEST(Softmax, LargeValuesDoNotOverflow) {
+  using T = TypeParam;
+  // +-1e4 and values near the largest float: only differences matter after the max is subtracted.
+  attn::Matrix<T> S(4, 3);
+  S << T(1e4), T(1e4) - T(1), T(-1e4),          //
+      T(-1e4), T(-1e4) - T(2), T(-1e4) - T(4),  //
+      T(3e38), T(-3e38), T(3e38),               //
+      T(1e4), T(0), T(-1e4);
+  const attn::Matrix<T> P = attn::softmax_rows(S);
+  ASSERT_TRUE(attn_test::all_finite(P));
+  EXPECT_TRUE(attn_test::near_t<T>(P, naive_softmax(S)));
+  EXPECT_EQ(P(0, 2), T(0));  // e^-20000 underflows to 0
+  EXPECT_EQ(P(2, 0), T(0.5));
+  EXPECT_EQ(P(2, 2), T(0.5));
+  EXPECT_EQ(P(2, 1), T(0));
+  EXPECT_EQ(P(3, 0), T(1));
+}
+
+TYPED_TEST(Softmax, InvariantUnderAddingAConstantToARow) {
+  using T = TypeParam;
+  std::mt19937 rng(99);
+  const attn::Matrix<T> S = attn_test::random_matrix<T>(5, 7, rng);
+  attn::Matrix<T> shifted = S;
+  // Adding 64 rounds each entry to the spacing of floats near 64 (7.6e-6 in float), so the
+  // weights agree to a small multiple of that, not bitwise.
+  shifted.array() += T(64);
+  EXPECT_TRUE(attn_test::near(attn::softmax_rows(shifted), attn::softmax_rows(S),
+                              100 * attn_test::Tol<T>::rel, attn_test::Tol<T>::abs));
+}
+
+TYPED_TEST(Softmax, InPlaceEqualsCopyingVersionAndEmptyShapes) {
+  using T = TypeParam;
+  std::mt19937 rng(7);
+  const attn::Matrix<T> S = attn_test::random_matrix<T>(6, 5, rng);
+  attn::Matrix<T> in_place = S;
+  const T* data = in_place.data();
+  attn::softmax_rows_inplace(in_place);
+  EXPECT_EQ(in_place.data(), data);  // no reallocation
+  EXPECT_TRUE(attn_test::identical(in_place, attn::softmax_rows(S)));
+  // Expressions are accepted by softmax_rows.
+  EXPECT_TRUE(attn_test::identical(attn::softmax_rows(S.topRows(3)), in_place.topRows(3)));
+
+  // Empty shapes: nothing to do, nothing read.
+  const std::pair<Index, Index> shapes[] = {{0, 0}, {0, 4}, {3, 0}};
+  for (const auto& [rows, cols] : shapes) {
+    attn::Matrix<T> E(rows, cols);
+    attn::softmax_rows_inplace(E);
+    EXPECT_EQ(E.rows(), rows);
+    EXPECT_EQ(E.cols(), cols);
+    const attn::Matrix<T> F = attn::softmax_rows(attn::Matrix<T>(rows, cols));
+    EXPECT_EQ(F.rows(), rows);
+    EXPECT_EQ(F.cols(), cols);
+  }
+}
+
+}  // namespace

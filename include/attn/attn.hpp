@@ -15,11 +15,13 @@
 
 #include "attention.hpp"
 #include "error.hpp"
+#include "flash.hpp"
 #include "mask.hpp"
 #include "multi_head.hpp"
 #include "projection.hpp"
 #include "scores.hpp"
 #include "softmax.hpp"
 #include "tensor.hpp"
+#include "threads.hpp"
 #include "types.hpp"
 #include "version.hpp"

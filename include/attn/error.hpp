@@ -57,8 +57,8 @@ template <class A, class B>
 void require_same_rows(const char* function, const char* a_name, const A& a, const char* b_name,
                        const B& b) {
   if (a.rows() != b.rows()) {
-    fail(function, a_name, " has ", a.rows(), " rows but ", b_name, " has ", b.rows(), " (",
-         a_name, " is ", shape_of(a), ", ", b_name, " is ", shape_of(b), ")");
+    fail(function, a_name, " has ", a.rows(), " rows but ", b_name, " has ", b.rows(), " (", a_name,
+         " is ", shape_of(a), ", ", b_name, " is ", shape_of(b), ")");
   }
 }
 
@@ -67,8 +67,8 @@ template <class A, class B>
 void require_inner(const char* function, const char* a_name, const A& a, const char* b_name,
                    const B& b) {
   if (a.cols() != b.rows()) {
-    fail(function, a_name, " has ", a.cols(), " columns but ", b_name, " has ", b.rows(),
-         " rows (", a_name, " is ", shape_of(a), ", ", b_name, " is ", shape_of(b), ")");
+    fail(function, a_name, " has ", a.cols(), " columns but ", b_name, " has ", b.rows(), " rows (",
+         a_name, " is ", shape_of(a), ", ", b_name, " is ", shape_of(b), ")");
   }
 }
 

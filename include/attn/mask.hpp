@@ -17,8 +17,8 @@ inline Index causal_shift(Causal align, Index n, Index m) {
 }
 
 /// The half-open range [begin, end) of keys that query `i` may attend under a causal alignment and
-/// an optional window. Every mask in `attn` (the Mask tables, the materialised path, the tiled path)
-/// derives from this one function.
+/// an optional window. Every mask in `attn` (the Mask tables, the materialised path, the tiled
+/// path) derives from this one function.
 struct KeyRange {
   Index begin;
   Index end;
@@ -65,11 +65,10 @@ inline Mask causal_mask(Index n, Index m, Causal align = Causal::BottomRight) {
   return detail::range_mask(n, m, align, std::nullopt);
 }
 
-/// The sliding-window mask: the mask that `AttentionOptions{causal = align, window = window}` applies.
-/// Query `i` sees keys `i + shift - window ... i + shift` (itself and `window` keys before it), where
-/// `shift` is `m - n` for `BottomRight` and 0 otherwise. With `align == Causal::None` only the lower
-/// bound applies (no causal upper bound).
-/// \param n, m    queries and keys, >= 0
+/// The sliding-window mask: the mask that `AttentionOptions{causal = align, window = window}`
+/// applies. Query `i` sees keys `i + shift - window ... i + shift` (itself and `window` keys before
+/// it), where `shift` is `m - n` for `BottomRight` and 0 otherwise. With `align == Causal::None`
+/// only the lower bound applies (no causal upper bound). \param n, m    queries and keys, >= 0
 /// \param window  how many keys before the query's own position stay visible, >= 0
 /// \returns an n x m mask, `true` = may attend.
 /// \throws shape_error if a size or the window is negative.

@@ -6,11 +6,13 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "attention.hpp"
 #include "error.hpp"
 #include "mask.hpp"
 #include "tensor.hpp"
+#include "threads.hpp"
 #include "types.hpp"
 
 namespace attn {
@@ -75,24 +77,23 @@ Tensor3<T> attention_heads(const Tensor3<T>& Q, const Tensor3<T>& K, const Tenso
   const Index heads = Q.dimension(0);
   const Index group = heads / K.dimension(0);
   Tensor3<T> out(heads, Q.dimension(1), V.dimension(2));
-  Matrix<T> P;
-  for (Index h = 0; h < heads; ++h) {
+  detail::parallel_for<Matrix<T>>(heads, [&](Index h, Matrix<T>& P) {
     const Index kv = h / group;
     detail::attention_kernel<T>(detail::slice(Q, h), detail::slice(K, kv), detail::slice(V, kv),
                                 options, P, detail::slice(out, h));
-  }
+  });
   return out;
 }
 
 /// The shape of a `MultiHeadAttention` layer.
 struct MultiHeadConfig {
-  Index embed_dim;           ///< E: width of the queries and of the output
-  Index num_heads;           ///< heads; E must be divisible by it (head_dim = E / heads)
-  Index kdim = 0;            ///< width of the keys' input; 0 = embed_dim
-  Index vdim = 0;            ///< width of the values' input; 0 = embed_dim
-  bool bias = true;          ///< input and output projection biases
-  Index num_kv_heads = 0;    ///< 0 = num_heads; fewer gives grouped-query attention
-  bool add_bias_kv = false;  ///< PyTorch's add_bias_kv: a learned key/value row appended
+  Index embed_dim;             ///< E: width of the queries and of the output
+  Index num_heads;             ///< heads; E must be divisible by it (head_dim = E / heads)
+  Index kdim = 0;              ///< width of the keys' input; 0 = embed_dim
+  Index vdim = 0;              ///< width of the values' input; 0 = embed_dim
+  bool bias = true;            ///< input and output projection biases
+  Index num_kv_heads = 0;      ///< 0 = num_heads; fewer gives grouped-query attention
+  bool add_bias_kv = false;    ///< PyTorch's add_bias_kv: a learned key/value row appended
   bool add_zero_attn = false;  ///< PyTorch's add_zero_attn: a zero key/value row appended
 };
 
@@ -147,10 +148,10 @@ class MultiHeadAttention {
     }
   }
 
-  Matrix<T> W_Q;  ///< (embed_dim, heads * head_dim)
-  Matrix<T> W_K;  ///< (kdim, kv_heads * head_dim)
-  Matrix<T> W_V;  ///< (vdim, kv_heads * head_dim)
-  Matrix<T> W_O;  ///< (heads * head_dim, embed_dim)
+  Matrix<T> W_Q;                    ///< (embed_dim, heads * head_dim)
+  Matrix<T> W_K;                    ///< (kdim, kv_heads * head_dim)
+  Matrix<T> W_V;                    ///< (vdim, kv_heads * head_dim)
+  Matrix<T> W_O;                    ///< (heads * head_dim, embed_dim)
   RowVector<T> b_Q, b_K, b_V, b_O;  ///< the projections' biases; empty when bias == false
   RowVector<T> bias_k, bias_v;      ///< the appended key/value rows; empty unless add_bias_kv
 
@@ -224,7 +225,8 @@ class MultiHeadAttention {
   /// \throws shape_error on mismatched shapes or invalid options.
   /// \note One GEMM per projection over the whole batch; heads run on strided views (no copies).
   MultiHeadResult<T> forward(const Tensor3<T>& query, const Tensor3<T>& key,
-                             const Tensor3<T>& value, const MultiHeadOptions<T>& options = {}) const {
+                             const Tensor3<T>& value,
+                             const MultiHeadOptions<T>& options = {}) const {
     const char* function = "MultiHeadAttention::forward";
     const Index batch = query.dimension(0);
     const Index n = query.dimension(1);
@@ -236,40 +238,57 @@ class MultiHeadAttention {
     const Matrix<T> K = projected(detail::flatten(key), W_K, b_K);
     const Matrix<T> V = projected(detail::flatten(value), W_V, b_V);
 
-    // 2. Each (batch item, head): scores, softmax, weighted values into the concatenated heads.
+    // 2. Each (batch item, head) in parallel: scores, softmax, weighted values written straight
+    //    into the item's rows and the head's columns of the concatenated heads.
     const Index extra = (config_.add_bias_kv ? 1 : 0) + (config_.add_zero_attn ? 1 : 0);
     const Index keys = m + extra;
     const Index hd = head_dim();
     const Index heads = config_.num_heads;
     const Index group = heads / config_.num_kv_heads;
+    std::vector<AttentionOptions<T>> item_options;
+    const auto items = static_cast<std::size_t>(extra > 0 ? batch : 0);
+    std::vector<Matrix<T>> K_items(items);
+    std::vector<Matrix<T>> V_items(items);
+    for (Index b = 0; b < batch; ++b) {
+      item_options.push_back(options_for_item(options, b, n, m));
+      if (extra > 0) {
+        extended(K.middleRows(b * m, m), bias_k, K_items[static_cast<std::size_t>(b)]);
+        extended(V.middleRows(b * m, m), bias_v, V_items[static_cast<std::size_t>(b)]);
+      }
+    }
     MultiHeadResult<T> result;
+    Tensor4<T> per_head;
+    if (options.need_weights) per_head = Tensor4<T>(batch, heads, n, keys);
+    Matrix<T> concat(batch * n, heads * hd);
+    detail::parallel_for<Matrix<T>>(batch * heads, [&](Index bh, Matrix<T>& P) {
+      const Index b = bh / heads;
+      const Index h = bh % heads;
+      const Index kv = h / group;
+      const auto item = static_cast<std::size_t>(b);
+      const detail::ConstRef<T> K_b = extra > 0 ? detail::ConstRef<T>(K_items[item])
+                                                : detail::ConstRef<T>(K.middleRows(b * m, m));
+      const detail::ConstRef<T> V_b = extra > 0 ? detail::ConstRef<T>(V_items[item])
+                                                : detail::ConstRef<T>(V.middleRows(b * m, m));
+      detail::attention_kernel<T>(Q.block(b * n, h * hd, n, hd), K_b.middleCols(kv * hd, hd),
+                                  V_b.middleCols(kv * hd, hd), item_options[item], P,
+                                  concat.block(b * n, h * hd, n, hd));
+      if (options.need_weights) {
+        Eigen::Map<Matrix<T>>(per_head.data() + bh * n * keys, n, keys) = P;
+      }
+    });
     if (options.need_weights && options.average_weights) {
       result.weights = Tensor3<T>(batch, n, keys);
-      result.weights.setZero();
-    } else if (options.need_weights) {
-      result.head_weights = Tensor4<T>(batch, heads, n, keys);
-    }
-    Matrix<T> concat(batch * n, heads * hd);
-    Matrix<T> P;
-    Matrix<T> K_b;
-    Matrix<T> V_b;
-    for (Index b = 0; b < batch; ++b) {
-      const AttentionOptions<T> head_options = options_for_item(options, b, n, m);
-      extended(K.middleRows(b * m, m), bias_k, K_b);
-      extended(V.middleRows(b * m, m), bias_v, V_b);
-      for (Index h = 0; h < heads; ++h) {
-        const Index kv = h / group;
-        detail::attention_kernel<T>(Q.block(b * n, h * hd, n, hd), K_b.middleCols(kv * hd, hd),
-                                    V_b.middleCols(kv * hd, hd), head_options, P,
-                                    concat.block(b * n, h * hd, n, hd));
-        if (options.need_weights && options.average_weights) {
-          Eigen::Map<Matrix<T>>(result.weights.data() + b * n * keys, n, keys) +=
-              P / static_cast<T>(heads);
-        } else if (options.need_weights) {
-          Eigen::Map<Matrix<T>>(result.head_weights.data() + (b * heads + h) * n * keys, n,
-                                keys) = P;
+      for (Index b = 0; b < batch; ++b) {
+        Eigen::Map<Matrix<T>> average(result.weights.data() + b * n * keys, n, keys);
+        average.setZero();
+        for (Index h = 0; h < heads; ++h) {  // in head order: the same bits for any thread count
+          average +=
+              Eigen::Map<const Matrix<T>>(per_head.data() + (b * heads + h) * n * keys, n, keys);
         }
+        average /= static_cast<T>(heads);
       }
+    } else if (options.need_weights) {
+      result.head_weights = std::move(per_head);
     }
 
     // 3. Output projection, again one GEMM over the batch.
@@ -292,8 +311,9 @@ class MultiHeadAttention {
   static MultiHeadConfig normalised(MultiHeadConfig config) {
     const char* function = "MultiHeadAttention";
     if (config.embed_dim <= 0 || config.num_heads <= 0) {
-      detail::fail(function, "embed_dim and num_heads must be positive, got embed_dim = ",
-                   config.embed_dim, ", num_heads = ", config.num_heads);
+      detail::fail(function,
+                   "embed_dim and num_heads must be positive, got embed_dim = ", config.embed_dim,
+                   ", num_heads = ", config.num_heads);
     }
     if (config.embed_dim % config.num_heads != 0) {
       detail::fail(function, "embed_dim ", config.embed_dim, " is not divisible by num_heads ",
@@ -322,9 +342,10 @@ class MultiHeadAttention {
 
   void require_pytorch_shaped(bool same_embed_dim) const {
     if (config_.num_kv_heads != config_.num_heads) {
-      detail::fail("MultiHeadAttention::load_pytorch",
-                   "PyTorch's nn.MultiheadAttention has no grouped-query attention (num_kv_heads = ",
-                   config_.num_kv_heads, ", num_heads = ", config_.num_heads, ")");
+      detail::fail(
+          "MultiHeadAttention::load_pytorch",
+          "PyTorch's nn.MultiheadAttention has no grouped-query attention (num_kv_heads = ",
+          config_.num_kv_heads, ", num_heads = ", config_.num_heads, ")");
     }
     if (same_embed_dim &&
         (config_.kdim != config_.embed_dim || config_.vdim != config_.embed_dim)) {
@@ -334,12 +355,19 @@ class MultiHeadAttention {
     }
   }
 
-  /// X W + b over all rows (b empty = no bias).
+  /// X W + b over all rows (b empty = no bias), by blocks of rows in parallel (the same bits for
+  /// any thread count).
   static Matrix<T> projected(const detail::ConstRef<T>& X, const Matrix<T>& W,
                              const RowVector<T>& b) {
     Matrix<T> Y(X.rows(), W.cols());
-    Y.noalias() = X * W;
-    if (b.size() > 0) Y.rowwise() += b;
+    constexpr Index block_rows = 64;
+    const Index blocks = (X.rows() + block_rows - 1) / block_rows;
+    detail::parallel_for<int>(blocks, [&](Index block, int&) {
+      const Index i0 = block * block_rows;
+      const Index rows = std::min(block_rows, X.rows() - i0);
+      Y.middleRows(i0, rows).noalias() = X.middleRows(i0, rows) * W;
+      if (b.size() > 0) Y.middleRows(i0, rows).rowwise() += b;
+    });
     return Y;
   }
 

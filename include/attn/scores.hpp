@@ -73,8 +73,7 @@ Matrix<typename DQ::Scalar> scores(const Eigen::MatrixBase<DQ>& Q, const Eigen::
 /// \returns n x m scores; entry (i, j) says how well query i matches key j.
 /// \throws shape_error if d_k is 0 or differs between Q and K.
 template <class DQ, class DK>
-Matrix<typename DQ::Scalar> scores(const Eigen::MatrixBase<DQ>& Q,
-                                   const Eigen::MatrixBase<DK>& K) {
+Matrix<typename DQ::Scalar> scores(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K) {
   detail::check_scores(Q, K);
   return scores(Q, K, detail::default_scale<typename DQ::Scalar>(Q.cols()));
 }

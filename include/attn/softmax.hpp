@@ -19,9 +19,19 @@ struct RowStats {
   T sum;  ///< sum of exp(x - max) over the row (plus exp(sink - max)); 0 for an empty row
 };
 
-/// The first half of one row's softmax, in place: `row -> exp(row - max)` with exactly 0 where the
-/// shifted score is -inf (Eigen's vectorised exp returns a tiny denormal there on some instruction
-/// sets, not 0). A row with no finite entry (and no sink) becomes all zero with sum 0.
+/// `row -> exp(row - max)` in place for a finite `max`, with exactly 0 where the shifted score is
+/// -inf (Eigen's vectorised exp returns a tiny denormal there on some instruction sets, not 0).
+/// \returns the sum of the new row.
+template <class T>
+T exp_shifted_inplace(Eigen::Ref<RowVector<T>> row, T max) {
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  row.array() -= max;
+  row.array() = (row.array() == neg_inf).select(T(0), row.array().exp());
+  return row.sum();
+}
+
+/// The first half of one row's softmax, in place: `row -> exp(row - max)` (see
+/// `exp_shifted_inplace`). A row with no finite entry (and no sink) becomes all zero with sum 0.
 /// \param row   1 x m scores, replaced by their shifted exponentials
 /// \param sink  optional sink logit: takes part in the max and adds exp(sink - max) to the sum
 template <class T>
@@ -33,15 +43,14 @@ RowStats<T> exp_row_inplace(Eigen::Ref<RowVector<T>> row, std::optional<T> sink 
     row.setZero();
     return {max, T(0)};
   }
-  row.array() -= max;
-  row.array() = (row.array() == neg_inf).select(T(0), row.array().exp());
-  T sum = row.sum();
+  T sum = exp_shifted_inplace<T>(row, max);
   if (sink) sum += std::exp(*sink - max);
   return {max, sum};
 }
 
 /// `row /= sum`, guarded: zeros when `sum` is 0 (a row that may attend nothing), never 0/0.
-/// After `exp_row_inplace` a non-zero sum is >= 1: the entry (or sink) equal to the max gives exp(0).
+/// After `exp_row_inplace` a non-zero sum is >= 1: the entry (or sink) equal to the max gives
+/// exp(0).
 template <class T>
 void normalise_inplace(Eigen::Ref<RowVector<T>> row, T sum) {
   row *= sum > T(0) ? T(1) / sum : T(0);

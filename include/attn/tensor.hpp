@@ -2,6 +2,7 @@
 /// \file tensor.hpp
 /// Row-major tensors for batches and heads, and matrix views of their slices.
 
+#include <string>
 #include <unsupported/Eigen/CXX11/Tensor>
 
 #include "types.hpp"
@@ -42,8 +43,8 @@ Eigen::Map<Matrix<T>> flatten(Tensor3<T>& t) {
 template <class Tensor>
 std::string dims_of(const Tensor& t) {
   std::string s = "(";
-  for (Index k = 0; k < Tensor::NumDimensions; ++k) {
-    s += (k ? ", " : "") + std::to_string(t.dimension(k));
+  for (std::size_t k = 0; k < static_cast<std::size_t>(Tensor::NumDimensions); ++k) {
+    s += (k > 0 ? ", " : "") + std::to_string(t.dimensions()[k]);
   }
   return s + ")";
 }

@@ -1,6 +1,5 @@
 // A consumer of the attn package: the first document's 3-token example, row 1.
 #include <attn/attn.hpp>
-
 #include <cmath>
 #include <cstdio>
 

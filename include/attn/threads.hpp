@@ -1,0 +1,67 @@
+#pragma once
+/// \file threads.hpp
+/// The thread count of `attn`'s parallel loops. With OpenMP (link OpenMP::OpenMP_CXX, as the CMake
+/// package does when it was built with it) the tiled kernels run in parallel; without it they run
+/// serially and these calls only record the number. Results are identical bit for bit whatever the
+/// thread count: every output row is computed by one thread in a fixed order.
+
+#include <algorithm>
+
+#include "types.hpp"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace attn {
+namespace detail {
+inline int& thread_setting() {
+  static int threads = 0;  // 0 = OpenMP's default (omp_get_max_threads)
+  return threads;
+}
+}  // namespace detail
+
+/// Sets how many threads `attn` uses; 0 restores the default (OpenMP's, e.g. OMP_NUM_THREADS).
+inline void set_num_threads(int threads) { detail::thread_setting() = threads < 0 ? 0 : threads; }
+
+/// How many threads `attn`'s parallel loops use (1 without OpenMP).
+inline int num_threads() {
+#ifdef _OPENMP
+  return detail::thread_setting() > 0 ? detail::thread_setting() : omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+namespace detail {
+
+/// Runs `body(i, scratch)` for i in [0, count), in parallel over `num_threads()` threads when
+/// OpenMP is on, with one default-constructed `Scratch` per thread. Each i runs entirely on one
+/// thread, so a body whose result depends only on i gives the same bits whatever the thread count.
+/// The team is entered even for one thread: Eigen's own GEMM then stays serial inside it (it
+/// parallelises only outside parallel regions), which keeps its results independent of the thread
+/// count too. `body` must not throw (all argument checks run before the kernels).
+template <class Scratch, class Body>
+void parallel_for(Index count, Body&& body) {
+#ifdef _OPENMP
+  const int threads =
+      static_cast<int>(std::clamp<Index>(num_threads(), 1, std::max<Index>(count, 1)));
+#pragma omp parallel num_threads(threads)
+#endif
+  {
+#ifdef _OPENMP
+    // Inside the team, Eigen's GEMM must take its serial path whatever the team size: it would
+    // otherwise try to parallelise when the team has one thread, with other rounding. This sets the
+    // thread count of nested regions of this task only; the caller's setting is untouched.
+    omp_set_num_threads(1);
+#endif
+    Scratch scratch{};
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (Index i = 0; i < count; ++i) body(i, scratch);
+  }
+}
+
+}  // namespace detail
+}  // namespace attn

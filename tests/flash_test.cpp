@@ -1,0 +1,277 @@
+/// The tiled path (`flash_attention`, include/attn/flash.hpp): against the PyTorch reference cases,
+/// against its materialised twin and the long-double naive pipeline around tile edges, with fully
+/// masked tiles and rows, its log-sum-exp, the thread-count invariance of every parallel path, and
+/// the float error at n = 4096.
+
+#include <gtest/gtest.h>
+
+#include <attn/attn.hpp>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "test_support.hpp"
+
+namespace {
+
+using attn::Index;
+
+template <class T>
+class Flash : public ::testing::Test {};
+TYPED_TEST_SUITE(Flash, attn_test::ScalarTypes);
+
+const std::vector<std::string> kForwardCases = {"sdpa_additive_bias",
+                                                "sdpa_bool_mask",
+                                                "sdpa_causal_bottom_right",
+                                                "sdpa_causal_more_queries",
+                                                "sdpa_causal_square",
+                                                "sdpa_causal_top_left",
+                                                "sdpa_custom_scale",
+                                                "sdpa_large_scores",
+                                                "sdpa_long",
+                                                "sdpa_long_noncausal",
+                                                "sdpa_rect",
+                                                "sdpa_sliding_window",
+                                                "sdpa_square"};
+
+// Every reference case, with the default tiles and with tiny ones (several tiles per case, partial
+// tiles at both edges).
+TYPED_TEST(Flash, MatchesEveryReferenceCase) {
+  using T = TypeParam;
+  for (const std::string& name : kForwardCases) {
+    SCOPED_TRACE(name);
+    const attn_test::Case c = attn_test::load_case(name);
+    const attn::Matrix<T> Q = c.input<T>("Q");
+    const attn::Matrix<T> K = c.input<T>("K");
+    const attn::Matrix<T> V = c.input<T>("V");
+    const attn::AttentionOptions<T> options = c.options<T>();
+    const attn::Matrix<T> expected = c.expected<T>("output");
+    EXPECT_TRUE(attn_test::near_t<T>(attn::flash_attention(Q, K, V, options), expected));
+    EXPECT_TRUE(attn_test::near_t<T>(
+        attn::flash_attention(Q, K, V, options, attn::FlashTiles{2, 3}), expected));
+  }
+}
+
+/// Options exercised around the tile edges; each is compared with the naive long-double pipeline.
+template <class T>
+std::vector<std::pair<std::string, attn::AttentionOptions<T>>> option_sets(Index n, Index m,
+                                                                           std::mt19937& rng) {
+  std::vector<std::pair<std::string, attn::AttentionOptions<T>>> sets;
+  sets.emplace_back("none", attn::AttentionOptions<T>{});
+  attn::AttentionOptions<T> o;
+  o.causal = attn::Causal::BottomRight;
+  sets.emplace_back("causal bottom-right", o);
+  o.causal = attn::Causal::TopLeft;
+  sets.emplace_back("causal top-left", o);
+  o.causal = attn::Causal::BottomRight;
+  o.window = 5;
+  sets.emplace_back("causal + window 5", o);
+  attn::AttentionOptions<T> w;
+  w.window = 3;
+  sets.emplace_back("window 3, no causal", w);
+  // A mask that forbids a whole row (the last query) and a whole block of keys [0, 17) for the
+  // first 16 queries (an entirely masked tile), with random holes elsewhere.
+  attn::AttentionOptions<T> masked;
+  std::bernoulli_distribution keep(0.7);
+  attn::Mask mask(n, m);
+  for (Index i = 0; i < n; ++i) {
+    for (Index j = 0; j < m; ++j) mask(i, j) = keep(rng) && !(i < 16 && j < 17);
+  }
+  mask.row(n - 1).setConstant(false);
+  masked.mask = mask;
+  sets.emplace_back("mask with empty row and empty tile", masked);
+  attn::AttentionOptions<T> extras;
+  extras.bias = attn_test::random_matrix<T>(n, m, rng);
+  extras.softcap = T(2.5);
+  extras.alibi_slope = T(0.125);
+  extras.sink = T(0.5);
+  extras.causal = attn::Causal::BottomRight;
+  extras.scale = T(0.3);
+  sets.emplace_back("bias, softcap, alibi, sink, scale, causal", extras);
+  return sets;
+}
+
+TYPED_TEST(Flash, AgreesAroundTileEdges) {
+  using T = TypeParam;
+  constexpr Index tile = 16;
+  const attn::FlashTiles tiles{tile, tile};
+  std::mt19937 rng(2024);
+  const std::vector<Index> sizes = {1, tile - 1, tile, tile + 1, 3 * tile + 5};
+  for (const Index n : sizes) {
+    for (const Index m : sizes) {
+      const attn::Matrix<T> Q = attn_test::random_matrix<T>(n, 8, rng);
+      const attn::Matrix<T> K = attn_test::random_matrix<T>(m, 8, rng);
+      const attn::Matrix<T> V = attn_test::random_matrix<T>(m, 5, rng);
+      for (const auto& [label, options] : option_sets<T>(n, m, rng)) {
+        SCOPED_TRACE("n = " + std::to_string(n) + ", m = " + std::to_string(m) + ", " + label);
+        const attn::Matrix<T> flash = attn::flash_attention(Q, K, V, options, tiles);
+        const attn_test::NaiveAttention naive = attn_test::naive_attention(Q, K, V, options);
+        EXPECT_TRUE(attn_test::near_t<T>(flash, naive.output));
+        EXPECT_TRUE(
+            attn_test::near_t<T>(flash, attn::attention_with_weights(Q, K, V, options).output));
+        EXPECT_TRUE(attn_test::all_finite(flash));
+      }
+    }
+  }
+}
+
+TYPED_TEST(Flash, FullyMaskedRowsAreZeroAndTheirLogSumExpIsMinusInfinity) {
+  using T = TypeParam;
+  std::mt19937 rng(7);
+  const Index n = 40;
+  const Index m = 50;
+  const attn::Matrix<T> Q = attn_test::random_matrix<T>(n, 6, rng);
+  const attn::Matrix<T> K = attn_test::random_matrix<T>(m, 6, rng);
+  const attn::Matrix<T> V = attn_test::random_matrix<T>(m, 3, rng);
+  attn::AttentionOptions<T> options;
+  options.mask = attn::Mask::Constant(n, m, true);
+  options.mask->middleRows(10, 20).setConstant(false);  // rows 10..29: nothing to attend
+  attn::Vector<T> lse;
+  const attn::Matrix<T> O = attn::flash_attention(Q, K, V, options, lse, attn::FlashTiles{8, 16});
+  ASSERT_EQ(lse.size(), n);
+  const attn_test::NaiveAttention naive = attn_test::naive_attention(Q, K, V, options);
+  for (Index i = 0; i < n; ++i) {
+    SCOPED_TRACE("row " + std::to_string(i));
+    if (i >= 10 && i < 30) {
+      EXPECT_TRUE(O.row(i).isZero(0));
+      EXPECT_EQ(lse(i), -std::numeric_limits<T>::infinity());
+      continue;
+    }
+    // log-sum-exp of the row's logits, independently in long double
+    long double max = -std::numeric_limits<long double>::infinity();
+    for (Index j = 0; j < m; ++j) max = std::max(max, naive.logits(i, j));
+    long double sum = 0;
+    for (Index j = 0; j < m; ++j) sum += std::exp(naive.logits(i, j) - max);
+    const double expected = static_cast<double>(max + std::log(sum));
+    EXPECT_NEAR(static_cast<double>(lse(i)), expected,
+                attn_test::Tol<T>::rel * std::abs(expected) + attn_test::Tol<T>::abs * 10);
+  }
+  EXPECT_TRUE(attn_test::near_t<T>(O, naive.output));
+}
+
+TYPED_TEST(Flash, ScaledDotProductAttentionAgreesOnBothSidesOfTheCrossover) {
+  using T = TypeParam;
+  std::mt19937 rng(11);
+  for (const Index n : {Index{100}, Index{600}}) {  // 100 x 100: materialised; 600 x 600: tiled
+    const attn::Matrix<T> Q = attn_test::random_matrix<T>(n, 16, rng);
+    const attn::Matrix<T> K = attn_test::random_matrix<T>(n, 16, rng);
+    const attn::Matrix<T> V = attn_test::random_matrix<T>(n, 16, rng);
+    attn::AttentionOptions<T> options;
+    options.causal = attn::Causal::BottomRight;
+    EXPECT_TRUE(attn_test::near_t<T>(attn::scaled_dot_product_attention(Q, K, V, options),
+                                     attn::attention_with_weights(Q, K, V, options).output));
+  }
+}
+
+TEST(Flash, FloatStaysWithin1e5OfTheDoubleReferenceAtN4096) {
+  std::mt19937 rng(4096);
+  const Index n = 4096;
+  const attn::Matrix<double> Q = attn_test::random_matrix<double>(n, 64, rng);
+  const attn::Matrix<double> K = attn_test::random_matrix<double>(n, 64, rng);
+  const attn::Matrix<double> V = attn_test::random_matrix<double>(n, 64, rng);
+  const attn::Matrix<float> Qf = Q.cast<float>();
+  const attn::Matrix<float> Kf = K.cast<float>();
+  const attn::Matrix<float> Vf = V.cast<float>();
+  for (const attn::Causal causal : {attn::Causal::None, attn::Causal::BottomRight}) {
+    attn::AttentionOptions<double> od;
+    od.causal = causal;
+    attn::AttentionOptions<float> of;
+    of.causal = causal;
+    const attn::Matrix<double> reference = attn::attention_with_weights(Q, K, V, od).output;
+    const attn::Matrix<double> flash = attn::flash_attention(Qf, Kf, Vf, of).cast<double>();
+    // Relative to the output's scale: entries near zero have no meaningful relative error.
+    const double error = (flash - reference).cwiseAbs().maxCoeff();
+    const double scale = reference.cwiseAbs().maxCoeff();
+    EXPECT_LE(error / scale, 1e-5) << "max |float - double| = " << error << ", max |O| = " << scale;
+  }
+}
+
+/// Restores the default thread count when a test ends.
+struct ThreadCount {
+  explicit ThreadCount(int threads) { attn::set_num_threads(threads); }
+  ~ThreadCount() { attn::set_num_threads(0); }
+  ThreadCount(const ThreadCount&) = delete;
+  ThreadCount& operator=(const ThreadCount&) = delete;
+};
+
+TEST(Threads, EveryParallelPathGivesTheSameBitsForAnyThreadCount) {
+  std::mt19937 rng(99);
+  const Index n = 333;
+  const attn::Matrix<float> Q = attn_test::random_matrix<float>(n, 32, rng);
+  const attn::Matrix<float> K = attn_test::random_matrix<float>(n + 21, 32, rng);
+  const attn::Matrix<float> V = attn_test::random_matrix<float>(n + 21, 24, rng);
+  attn::AttentionOptions<float> options;
+  options.causal = attn::Causal::BottomRight;
+  attn::Tensor3<float> heads_q(4, 70, 16);
+  attn::Tensor3<float> heads_kv(2, 90, 16);
+  heads_q.setRandom();
+  heads_kv.setRandom();
+  attn::MultiHeadAttention<float> layer({64, 4}, 5);
+  attn::Tensor3<float> x(3, 50, 64);
+  x.setRandom();
+  attn::MultiHeadOptions<float> mha_options;
+  mha_options.need_weights = true;
+
+  struct Results {
+    attn::Matrix<float> flash, sdpa, weights, output, heads, mha, mha_weights;
+  };
+  const auto run = [&](int threads) {
+    const ThreadCount count(threads);
+    Results r;
+    r.flash = attn::flash_attention(Q, K, V, options, attn::FlashTiles{32, 64});
+    r.sdpa = attn::scaled_dot_product_attention(Q, K, V, options);
+    const attn::Attention<float> a = attn::attention_with_weights(Q, K, V, options);
+    r.weights = a.weights;
+    r.output = a.output;
+    const attn::Tensor3<float> h = attn::attention_heads(heads_q, heads_kv, heads_kv, options);
+    r.heads = Eigen::Map<const attn::Matrix<float>>(h.data(), 4 * 70, 16);
+    const attn::MultiHeadResult<float> mr = layer.forward(x, x, x, mha_options);
+    r.mha = Eigen::Map<const attn::Matrix<float>>(mr.output.data(), 3 * 50, 64);
+    r.mha_weights = Eigen::Map<const attn::Matrix<float>>(mr.weights.data(), 3 * 50, 50);
+    return r;
+  };
+  const Results one = run(1);
+  for (const int threads : {2, 3, 5}) {
+    SCOPED_TRACE(std::to_string(threads) + " threads");
+    const Results many = run(threads);
+    EXPECT_TRUE(attn_test::identical(many.flash, one.flash));
+    EXPECT_TRUE(attn_test::identical(many.sdpa, one.sdpa));
+    EXPECT_TRUE(attn_test::identical(many.weights, one.weights));
+    EXPECT_TRUE(attn_test::identical(many.output, one.output));
+    EXPECT_TRUE(attn_test::identical(many.heads, one.heads));
+    EXPECT_TRUE(attn_test::identical(many.mha, one.mha));
+    EXPECT_TRUE(attn_test::identical(many.mha_weights, one.mha_weights));
+  }
+}
+
+TEST(Threads, SetNumThreadsIsReported) {
+  attn::set_num_threads(3);
+#ifdef _OPENMP
+  EXPECT_EQ(attn::num_threads(), 3);
+#else
+  EXPECT_EQ(attn::num_threads(), 1);
+#endif
+  attn::set_num_threads(0);
+  EXPECT_GE(attn::num_threads(), 1);
+}
+
+TEST(FlashErrors, ChecksShapesOptionsAndTiles) {
+  const attn::Matrix<double> Q = attn::Matrix<double>::Ones(4, 3);
+  const attn::Matrix<double> K = attn::Matrix<double>::Ones(5, 2);
+  try {
+    (void)attn::flash_attention(Q, K, K);
+    FAIL() << "no shape_error for mismatched d_k";
+  } catch (const attn::shape_error& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("attn::flash_attention"), std::string::npos) << message;
+    EXPECT_NE(message.find("5 x 2"), std::string::npos) << message;
+    EXPECT_NE(message.find("4 x 3"), std::string::npos) << message;
+  }
+  EXPECT_THROW((void)attn::flash_attention(Q, Q, Q, {}, attn::FlashTiles{0, 4}), attn::shape_error);
+  attn::AttentionOptions<double> bad_window;
+  bad_window.window = -1;
+  EXPECT_THROW((void)attn::flash_attention(Q, Q, Q, bad_window), attn::shape_error);
+}
+
+}  // namespace
