@@ -8,18 +8,27 @@
 /// - Part 3: Part 1's tokens again with a causal mask.
 /// - Part 4: the second document's multi-head layer, nn.MultiheadAttention(512, 8), on x of shape
 ///   (2, 10, 512): output and weight shapes, the parameter count, one head's weights.
+/// - Part 5: positions: "dog bites man" and "man bites dog" give the same rows permuted without
+///   positions, different ones with a sinusoidal encoding or RoPE; a sinusoidal table; a rotation.
 ///
 /// Only the documents' inputs are typed in below; every other number comes from the library at run
 /// time (`attn::project_qkv` and `attn::trace_attention`, whose trace keeps every intermediate
 /// table; `attn::MultiHeadAttention` for Part 4).
+///
+/// Pictures (attn/render.hpp, it_example.hpp): `--svg DIR` writes the heatmaps of Parts 1 to 4 as
+/// SVG files; `--html FILE` writes the self-contained click-a-word page (illustrative hand-set
+/// weights, not a trained model) with the 3-token step-through.
 
 #include <algorithm>
 #include <attn/attn.hpp>
+#include <attn/render.hpp>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <filesystem>
+#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <random>
@@ -27,6 +36,8 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "it_example.hpp"
 
 namespace {
 
@@ -414,6 +425,11 @@ void part2() {
             << " of its attention on " << word(keys[0]) << " and " << percent(keys[1]) << " on "
             << word(keys[1]) << ".\nIts new vector [" << join(first_output, ", ")
             << "] is mostly made of the value of \"" << word(keys[0]) << "\".\n";
+
+  // The same weights as a heatmap (attn/render.hpp): colours on a terminal, else plain numbers.
+  attn::HeatmapOptions heatmap;
+  heatmap.title = "\nThe weights as a heatmap (row = query word, column = key word):";
+  std::cout << attn::heatmap_terminal(trace.weights, words, words, heatmap);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -544,6 +560,141 @@ void part4() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Part 5: positions (the second document's "dog bites man")
+// ---------------------------------------------------------------------------------------------
+
+/// "[a, b, ...]" with 4 decimals.
+std::string four_decimals(const Matrix& M, Index i) {
+  std::vector<std::string> items;
+  for (Index j = 0; j < M.cols(); ++j) items.push_back(fixed(M(i, j), 4));
+  return "[" + join(items, ", ") + "]";
+}
+
+/// Self-attention of the rows of X with Part 2's weights; `rope` rotates Q and K by position.
+Matrix sentence_attention(const Matrix& X, const Matrix& W_q, const Matrix& W_k, const Matrix& W_v,
+                          bool rope) {
+  attn::QKV<double> qkv = attn::project_qkv(X, W_q, W_k, W_v);
+  if (rope) {
+    attn::rope_inplace(qkv.Q, 0, attn::RopeStyle::Interleaved);
+    attn::rope_inplace(qkv.K, 0, attn::RopeStyle::Interleaved);
+  }
+  return attn::scaled_dot_product_attention(qkv.Q, qkv.K, qkv.V);
+}
+
+void part5() {
+  print_heading("Part 5: positions (\"dog bites man\" vs \"man bites dog\")");
+  // Three 4-number embeddings and Part 2's weight matrices.
+  const Matrix dog = (Matrix(1, 4) << 1, 0, 1, 0).finished();
+  const Matrix bites = (Matrix(1, 4) << 0, 2, 0, 1).finished();
+  const Matrix man = (Matrix(1, 4) << 1, 1, 1, 1).finished();
+  const Matrix W_q = (Matrix(4, 2) << 1, 0, 0, 1, 1, 0, 0, 1).finished();
+  const Matrix W_k = (Matrix(4, 2) << 0, 1, 1, 0, 0, 1, 1, 0).finished();
+  const Matrix W_v = (Matrix(4, 2) << 1, 0, 0, 1, 1, 1, 0, 0).finished();
+  Matrix dbm(3, 4);
+  dbm << dog, bites, man;
+  Matrix mbd(3, 4);
+  mbd << man, bites, dog;
+  const Matrix PE = attn::sinusoidal_encoding<double>(3, 4);
+
+  // "dog" is row 0 of the first sentence and row 2 of the second; "man" the other way round.
+  const auto compare = [&](const std::string& title, const Matrix& a, const Matrix& b) {
+    std::cout << title << "\n"
+              << "  dog bites man -> dog " << four_decimals(a, 0) << ", bites "
+              << four_decimals(a, 1) << ", man " << four_decimals(a, 2) << "\n"
+              << "  man bites dog -> dog " << four_decimals(b, 2) << ", bites "
+              << four_decimals(b, 1) << ", man " << four_decimals(b, 0) << "\n";
+    const double gap = std::max({(a.row(0) - b.row(2)).cwiseAbs().maxCoeff(),
+                                 (a.row(1) - b.row(1)).cwiseAbs().maxCoeff(),
+                                 (a.row(2) - b.row(0)).cwiseAbs().maxCoeff()});
+    return gap;
+  };
+  const double plain =
+      compare("Without positions (a bag of words):", sentence_attention(dbm, W_q, W_k, W_v, false),
+              sentence_attention(mbd, W_q, W_k, W_v, false));
+  std::cout << "  same rows, permuted: " << (plain < 1e-12 ? "yes" : "no") << "\n\n";
+  const double sinusoidal = compare(
+      "With sinusoidal encoding (X + PE):", sentence_attention(dbm + PE, W_q, W_k, W_v, false),
+      sentence_attention(mbd + PE, W_q, W_k, W_v, false));
+  std::cout << "  sinusoidal: the outputs differ: " << (sinusoidal > 1e-3 ? "yes" : "no")
+            << " (largest difference " << fixed(sinusoidal, 4) << ")\n\n";
+  const double rotary =
+      compare("With RoPE on Q and K:", sentence_attention(dbm, W_q, W_k, W_v, true),
+              sentence_attention(mbd, W_q, W_k, W_v, true));
+  std::cout << "  RoPE: the outputs differ: " << (rotary > 1e-3 ? "yes" : "no")
+            << " (largest difference " << fixed(rotary, 4) << ")\n\n";
+
+  std::cout << "Sinusoidal table, d_model = 4: PE[p, 2i] = sin(p / 10000^(2i/4)), PE[p, 2i+1] = "
+               "cos(...)\n";
+  const Matrix table = attn::sinusoidal_encoding<double>(4, 4);
+  for (Index p = 0; p < table.rows(); ++p) {
+    std::cout << "  p = " << p << ": " << four_decimals(table, p) << "\n";
+  }
+  const Matrix x = (Matrix(1, 4) << 1, 0, 1, 0).finished();
+  const Matrix rotated = attn::rope(x, 1, attn::RopeStyle::Interleaved);
+  std::cout << "\nRoPE of x = " << four_decimals(x, 0)
+            << " at position 1 (pairs (0,1) and (2,3) turn by 1 and 1/100 radian):\n"
+            << "  " << four_decimals(rotated, 0) << ", length " << fixed(rotated.norm(), 4) << " = "
+            << fixed(x.norm(), 4) << "\n";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pictures: --svg DIR and --html FILE
+// ---------------------------------------------------------------------------------------------
+
+/// Writes `text` to `path` and says so; throws naming the path when it cannot.
+void write_file(const std::filesystem::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+  out.close();
+  if (!out) throw std::runtime_error("cannot write '" + path.string() + "'");
+  std::cout << "wrote " << path.string() << "\n";
+}
+
+/// The heatmaps of Parts 1 to 4 as SVG files in `dir` (created if needed): three_tokens.svg,
+/// i_love_ai.svg, causal.svg (masked cells hatched) and multi_head_head1.svg.
+void write_svgs(const std::filesystem::path& dir) {
+  std::filesystem::create_directories(dir);
+  const ThreeTokens three;
+  const std::vector<std::string> tokens{"token 1", "token 2", "token 3"};
+  attn::HeatmapOptions options;
+  options.title = "Part 1: 3 tokens, softmax(Q K^T / √2)";
+  write_file(dir / "three_tokens.svg",
+             attn::heatmap_svg(attn::attention_with_weights(three.Q, three.K, three.V).weights,
+                               tokens, tokens, options));
+
+  const attn_examples::ILoveAi love;
+  options.title = "Part 2: \"I love AI\" attention weights";
+  write_file(dir / "i_love_ai.svg",
+             attn::heatmap_svg(love.weights(), love.words, love.words, options));
+
+  attn::AttentionOptions<double> causal;
+  causal.causal = attn::Causal::BottomRight;
+  options.title = "Part 3: 3 tokens with a causal mask";
+  options.causal = attn::Causal::BottomRight;  // hatch the future
+  write_file(
+      dir / "causal.svg",
+      attn::heatmap_svg(attn::attention_with_weights(three.Q, three.K, three.V, causal).weights,
+                        tokens, tokens, options));
+  options.causal = attn::Causal::None;
+
+  // Part 4's layer and input; head 1 of sentence 1.
+  const attn::MultiHeadAttention<double> mha(attn::MultiHeadConfig{512, 8}, layer_seed);
+  const Tensor3 x = randn(2, 10, 512, input_seed);
+  attn::MultiHeadOptions<double> mh_options;
+  mh_options.need_weights = true;
+  mh_options.average_weights = false;
+  const Tensor4 heads = mha.forward(x, x, x, mh_options).head_weights;
+  const Index n = heads.dimension(2);
+  const Index m = heads.dimension(3);
+  const Matrix head1 = Eigen::Map<const Matrix>(heads.data(), n, m);
+  std::vector<std::string> positions;
+  for (Index i = 0; i < n; ++i) positions.push_back("x" + token_number(i));
+  options.title = "Part 4: head 1 of 8, sentence 1 (random x, Xavier weights, seed " +
+                  std::to_string(layer_seed) + ")";
+  write_file(dir / "multi_head_head1.svg", attn::heatmap_svg(head1, positions, positions, options));
+}
+
+// ---------------------------------------------------------------------------------------------
 // Command line
 // ---------------------------------------------------------------------------------------------
 
@@ -558,12 +709,20 @@ constexpr const char* usage =
     "  Part 4  the second document's multi-head layer (E = 512, 8 heads) on x of (2, 10, 512)\n"
     "\n"
     "options:\n"
-    "  -h, --help  print this help and exit\n";
+    "  -h, --help     print this help and exit\n"
+    "  --svg DIR      write the heatmaps of Parts 1 to 4 as SVG files into DIR (created if\n"
+    "                 needed)\n"
+    "  --html FILE    write the click-a-word page (self-contained HTML: \"The animal didn't cross\n"
+    "                 the street because it was too tired/wide\", illustrative hand-set weights,\n"
+    "                 not a trained model) and the 3-token step-through\n"
+    "With --svg or --html the program writes the files and does not print the walkthrough.\n";
 
 /// What the command line asked for. To add an option (say `--svg FILE`): a field here, a line in
 /// `usage`, a branch in `parse_command_line`.
 struct CommandLine {
   bool help = false;
+  std::string svg_dir;    ///< --svg DIR; empty when absent
+  std::string html_file;  ///< --html FILE; empty when absent
 };
 
 /// A command line that cannot be understood; `main` reports it and exits with status 2.
@@ -576,9 +735,25 @@ class UsageError : public std::runtime_error {
 /// \throws UsageError naming the first argument it does not understand.
 CommandLine parse_command_line(const std::vector<std::string>& arguments) {
   CommandLine command_line;
-  for (const std::string& argument : arguments) {
+  for (std::size_t k = 0; k < arguments.size(); ++k) {
+    const std::string& argument = arguments[k];
+    // The value of an option that takes one ("--svg DIR" or "--svg=DIR").
+    const auto value_of = [&](const std::string& option) {
+      if (argument.rfind(option + "=", 0) == 0) return argument.substr(option.size() + 1);
+      if (k + 1 == arguments.size() || arguments[k + 1].empty()) {
+        throw UsageError("option '" + option + "' needs a value");
+      }
+      return arguments[++k];
+    };
+    const auto is = [&](const std::string& option) {
+      return argument == option || argument.rfind(option + "=", 0) == 0;
+    };
     if (argument == "-h" || argument == "--help") {
       command_line.help = true;
+    } else if (is("--svg")) {
+      command_line.svg_dir = value_of("--svg");
+    } else if (is("--html")) {
+      command_line.html_file = value_of("--html");
     } else {
       throw UsageError("unknown argument '" + argument + "'");
     }
@@ -601,11 +776,24 @@ int main(int argc, char** argv) {
     std::cout << usage;
     return 0;
   }
+  if (!command_line.svg_dir.empty() || !command_line.html_file.empty()) {
+    try {
+      if (!command_line.svg_dir.empty()) write_svgs(command_line.svg_dir);
+      if (!command_line.html_file.empty()) {
+        write_file(command_line.html_file, attn_examples::attention_page_html());
+      }
+    } catch (const std::exception& error) {
+      std::cerr << "attn-walkthrough: " << error.what() << "\n";
+      return 1;
+    }
+    return 0;
+  }
   try {
     part1();
     part2();
     part3();
     part4();
+    part5();
   } catch (const std::exception& error) {
     std::cerr << "attn-walkthrough: " << error.what() << "\n";
     return 1;

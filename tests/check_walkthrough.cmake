@@ -90,6 +90,16 @@ if(NOT head_row_count EQUAL 10)
   problem("one head's weights: expected 10 rows with 'sum = 1.0000', found ${head_row_count}")
 endif()
 
+# Part 5: positions. sin 1 = 0.84147, cos 1 = 0.54030, sin 0.01 = 0.0099998, cos 0.01 = 0.99995,
+# sin 2 = 0.90930, cos 2 = -0.41615, sin 0.02 = 0.019999, cos 0.02 = 0.99980 (Python's math); the
+# rotation of [1, 0, 1, 0] by 1 and 0.01 radian is [cos 1, sin 1, cos 0.01, sin 0.01], length sqrt 2.
+expect("bag of words" "same rows, permuted: yes")
+expect("sinusoidal breaks the symmetry" "sinusoidal: the outputs differ: yes")
+expect("RoPE breaks the symmetry" "RoPE: the outputs differ: yes")
+expect("sinusoidal row 1" "p = 1: [0.8415, 0.5403, 0.0100, 1.0000]")
+expect("sinusoidal row 2" "p = 2: [0.9093, -0.4161, 0.0200, 0.9998]")
+expect("RoPE rotation" "[0.5403, 0.8415, 1.0000, 0.0100], length 1.4142 = 1.4142")
+
 if(output MATCHES "(^|[^A-Za-z])nan([^A-Za-z]|$)")
   problem("the output contains 'nan'")
 endif()

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <type_traits>
 #include <utility>
 
 #include "test_support.hpp"
@@ -51,7 +52,8 @@ TYPED_TEST(Softmax, ReferenceCase) {
   EXPECT_TRUE(attn_test::all_finite(P));
   EXPECT_TRUE(attn_test::near_t<T>(P, c.expected<double>("P")));
   // Where PyTorch gives exactly 0 (every -inf entry, the all -inf row, the -3e38 entry next to
-  // +3e38), so must we: exactly, not a denormal.
+  // +3e38, and e^-1001, e^-2001, which underflow), so must we: exactly, not a denormal.
+  // (Fails with the working-tree softmax.hpp of this writing: see UnderflowGivesExactZero.)
   for (Index i = 0; i < S.rows(); ++i) {
     for (Index j = 0; j < S.cols(); ++j) {
       if (expected(i, j) == T(0)) {
@@ -118,8 +120,34 @@ TYPED_TEST(Softmax, LargeValuesDoNotOverflow) {
   EXPECT_EQ(P(0, 2), T(0));  // e^-20000 underflows to 0
   EXPECT_EQ(P(2, 0), T(0.5));
   EXPECT_EQ(P(2, 2), T(0.5));
-  EXPECT_EQ(P(2, 1), T(0));
+  EXPECT_EQ(P(2, 1), T(0));  // see UnderflowGivesExactZero
   EXPECT_EQ(P(3, 0), T(1));
+}
+
+// A shifted logit below log(smallest denormal) (about -745 in double, -104 in float) has an
+// exponential that rounds to exactly 0, as std::exp and PyTorch give it; the weight must be 0,
+// not a denormal, wherever the entry sits in the row (8 entries: whole SIMD packets and a tail).
+//
+// LIBRARY BUG (include/attn/softmax.hpp, detail::exp_shifted_inplace, in the working tree at the
+// time of writing, not in the committed version): a row without interior -inf entries takes
+// Eigen's vectorised exp, which clamps its argument at about -709.78 (double) / -88.38 (float) and
+// returns a denormal (5.6e-309 in double, ~1e-39 in float) for anything below. E.g. softmax_rows
+// of the double row [1000, 1001, -1000, 0] gives 4.06e-309 for the last two entries instead of 0.
+// Harmless to the sums, but the weight is wrong by a factor of 10^300 and denormals are slow in
+// the following P V product. This test asserts the correct behaviour.
+TYPED_TEST(Softmax, UnderflowGivesExactZero) {
+  using T = TypeParam;
+  const T far = std::is_same_v<T, float> ? T(-200) : T(-1000);
+  attn::Matrix<T> S(3, 8);
+  S << T(0), far, far, far, far, far, far, far,  //
+      far, far, far, T(5), far, far, far, far,   //
+      far, far, far, far, far, far, far, T(-3);
+  const attn::Matrix<T> P = attn::softmax_rows(S);
+  attn::Matrix<T> expected = attn::Matrix<T>::Zero(3, 8);
+  expected(0, 0) = T(1);
+  expected(1, 3) = T(1);
+  expected(2, 7) = T(1);
+  EXPECT_TRUE(attn_test::identical(P, expected));
 }
 
 TYPED_TEST(Softmax, InvariantUnderAddingAConstantToARow) {

@@ -45,6 +45,18 @@ void attention_kernel(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V,
   });
 }
 
+/// One head inside a parallel loop over heads: the materialised kernel when its weights are wanted
+/// (they are left in P) or the problem is small, the tiled kernel otherwise (P is then untouched).
+template <class T>
+void head_attention(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const AttentionOptions<T>& options,
+                    Matrix<T>& P, Eigen::Ref<Matrix<T>> O, bool keep_weights = false) {
+  if (keep_weights || !prefer_flash(Q.rows(), K.rows())) {
+    attention_kernel<T>(Q, K, V, options, P, O);
+  } else {
+    flash_kernel<T>(Q, K, V, options, FlashTiles{}, O, nullptr);
+  }
+}
+
 }  // namespace detail
 
 /// Scaled dot-product attention: `softmax(scale * Q K^T + bias, masked) V`.

@@ -5,6 +5,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -79,8 +81,8 @@ Tensor3<T> attention_heads(const Tensor3<T>& Q, const Tensor3<T>& K, const Tenso
   Tensor3<T> out(heads, Q.dimension(1), V.dimension(2));
   detail::parallel_for<Matrix<T>>(heads, [&](Index h, Matrix<T>& P) {
     const Index kv = h / group;
-    detail::attention_kernel<T>(detail::slice(Q, h), detail::slice(K, kv), detail::slice(V, kv),
-                                options, P, detail::slice(out, h));
+    detail::head_attention<T>(detail::slice(Q, h), detail::slice(K, kv), detail::slice(V, kv),
+                              options, P, detail::slice(out, h));
   });
   return out;
 }
@@ -103,7 +105,86 @@ struct MultiHeadOptions : AttentionOptions<T> {
   std::optional<Mask> key_valid;  ///< (batch, m): true = a real key, false = padding
   bool need_weights = false;      ///< also return attention weights
   bool average_weights = true;    ///< weights averaged over heads (PyTorch's default)
+  /// One ALiBi slope per query head (see `alibi_slopes(heads)`), instead of `alibi_slope`.
+  std::optional<std::vector<T>> alibi_slopes;
+  /// One sink logit per query head (gpt-oss's learned per-head sinks), instead of `sink`.
+  std::optional<std::vector<T>> sinks;
 };
+
+namespace detail {
+
+/// Checks per-head slopes and sinks: one per query head, finite slopes, sinks below +inf, and not
+/// together with the shared scalar of the same kind.
+template <class T>
+void check_head_values(const char* function, const MultiHeadOptions<T>& options, Index heads) {
+  const auto check = [&](const std::optional<std::vector<T>>& values, const char* name,
+                         bool shared_set, const char* shared_name, bool sink) {
+    if (!values) return;
+    if (static_cast<Index>(values->size()) != heads) {
+      fail(function, name, " has ", values->size(), " entries but there are ", heads,
+           " query heads");
+    }
+    if (shared_set) fail(function, "set ", name, " or ", shared_name, ", not both");
+    for (const T v : *values) {
+      if (sink ? (std::isnan(v) || v > std::numeric_limits<T>::max()) : !std::isfinite(v)) {
+        fail(function, name, " holds ", v,
+             sink ? ": sinks must be numbers below +inf" : ": slopes must be finite");
+      }
+    }
+  };
+  check(options.alibi_slopes, "alibi_slopes", options.alibi_slope.has_value(), "alibi_slope",
+        false);
+  check(options.sinks, "sinks", options.sink.has_value(), "sink", true);
+}
+
+/// Per-thread scratch of a loop over heads: the weights table, and a copy of the options that
+/// only the per-head scalars (slope, sink) change from head to head.
+template <class T>
+struct HeadScratch {
+  Matrix<T> P;
+  const AttentionOptions<T>* copied_from = nullptr;
+  AttentionOptions<T> options;
+};
+
+/// The options of query head h: `base` itself, or (with per-head slopes or sinks) the thread's
+/// copy of it with head h's values. The copy is made once per thread and per `base`.
+template <class T>
+const AttentionOptions<T>& head_options(const AttentionOptions<T>& base,
+                                        const MultiHeadOptions<T>& per_head, Index h,
+                                        HeadScratch<T>& scratch) {
+  if (!per_head.alibi_slopes && !per_head.sinks) return base;
+  if (scratch.copied_from != &base) {
+    scratch.options = base;
+    scratch.copied_from = &base;
+  }
+  const auto i = static_cast<std::size_t>(h);
+  if (per_head.alibi_slopes) scratch.options.alibi_slope = (*per_head.alibi_slopes)[i];
+  if (per_head.sinks) scratch.options.sink = (*per_head.sinks)[i];
+  return scratch.options;
+}
+
+}  // namespace detail
+
+/// `attention_heads` with per-head ALiBi slopes and sinks (`options.alibi_slopes`,
+/// `options.sinks`, one per query head); `key_valid` and the weight flags are not used here.
+/// \throws shape_error as `attention_heads`, or if a per-head list has the wrong length.
+template <class T>
+Tensor3<T> attention_heads(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
+                           const MultiHeadOptions<detail::identity_t<T>>& options) {
+  const AttentionOptions<T>& shared = options;
+  detail::check_heads(Q, K, V, shared);
+  detail::check_head_values("attention_heads", options, Q.dimension(0));
+  const Index heads = Q.dimension(0);
+  const Index group = heads / K.dimension(0);
+  Tensor3<T> out(heads, Q.dimension(1), V.dimension(2));
+  detail::parallel_for<detail::HeadScratch<T>>(heads, [&](Index h, detail::HeadScratch<T>& s) {
+    const Index kv = h / group;
+    detail::head_attention<T>(detail::slice(Q, h), detail::slice(K, kv), detail::slice(V, kv),
+                              detail::head_options(shared, options, h, s), s.P,
+                              detail::slice(out, h));
+  });
+  return out;
+}
 
 /// The output of `MultiHeadAttention::forward` on a batch.
 template <class T>
@@ -218,7 +299,8 @@ class MultiHeadAttention {
   /// \param key    (batch, m, kdim)
   /// \param value  (batch, m, vdim)
   /// \param options  causal, window, mask (n x m, shared by the batch), bias (n x m), scale,
-  ///                 softcap, ALiBi, sink (every head), key_valid (batch x m), weights output
+  ///                 softcap, ALiBi, sink (every head, or per head: alibi_slopes, sinks),
+  ///                 key_valid (batch x m), weights output
   /// \returns output (batch, n, embed_dim), and weights when asked: head-averaged
   ///          (batch, n, m') or per head (batch, heads, n, m'), m' = m plus one column for each of
   ///          add_bias_kv and add_zero_attn.
@@ -260,22 +342,25 @@ class MultiHeadAttention {
     Tensor4<T> per_head;
     if (options.need_weights) per_head = Tensor4<T>(batch, heads, n, keys);
     Matrix<T> concat(batch * n, heads * hd);
-    detail::parallel_for<Matrix<T>>(batch * heads, [&](Index bh, Matrix<T>& P) {
-      const Index b = bh / heads;
-      const Index h = bh % heads;
-      const Index kv = h / group;
-      const auto item = static_cast<std::size_t>(b);
-      const detail::ConstRef<T> K_b = extra > 0 ? detail::ConstRef<T>(K_items[item])
-                                                : detail::ConstRef<T>(K.middleRows(b * m, m));
-      const detail::ConstRef<T> V_b = extra > 0 ? detail::ConstRef<T>(V_items[item])
-                                                : detail::ConstRef<T>(V.middleRows(b * m, m));
-      detail::attention_kernel<T>(Q.block(b * n, h * hd, n, hd), K_b.middleCols(kv * hd, hd),
-                                  V_b.middleCols(kv * hd, hd), item_options[item], P,
-                                  concat.block(b * n, h * hd, n, hd));
-      if (options.need_weights) {
-        Eigen::Map<Matrix<T>>(per_head.data() + bh * n * keys, n, keys) = P;
-      }
-    });
+    detail::parallel_for<detail::HeadScratch<T>>(
+        batch * heads, [&](Index bh, detail::HeadScratch<T>& s) {
+          Matrix<T>& P = s.P;
+          const Index b = bh / heads;
+          const Index h = bh % heads;
+          const Index kv = h / group;
+          const auto item = static_cast<std::size_t>(b);
+          const detail::ConstRef<T> K_b = extra > 0 ? detail::ConstRef<T>(K_items[item])
+                                                    : detail::ConstRef<T>(K.middleRows(b * m, m));
+          const detail::ConstRef<T> V_b = extra > 0 ? detail::ConstRef<T>(V_items[item])
+                                                    : detail::ConstRef<T>(V.middleRows(b * m, m));
+          detail::head_attention<T>(Q.block(b * n, h * hd, n, hd), K_b.middleCols(kv * hd, hd),
+                                    V_b.middleCols(kv * hd, hd),
+                                    detail::head_options(item_options[item], options, h, s), P,
+                                    concat.block(b * n, h * hd, n, hd), options.need_weights);
+          if (options.need_weights) {
+            Eigen::Map<Matrix<T>>(per_head.data() + bh * n * keys, n, keys) = P;
+          }
+        });
     if (options.need_weights && options.average_weights) {
       result.weights = Tensor3<T>(batch, n, keys);
       for (Index b = 0; b < batch; ++b) {
@@ -414,7 +499,9 @@ class MultiHeadAttention {
       detail::require_table(function, "key_valid", *options.key_valid, query.dimension(0),
                             key.dimension(1));
     }
-    if (options.alibi_slope && (config_.add_bias_kv || config_.add_zero_attn)) {
+    detail::check_head_values(function, options, config_.num_heads);
+    if ((options.alibi_slope || options.alibi_slopes) &&
+        (config_.add_bias_kv || config_.add_zero_attn)) {
       detail::fail(function, "alibi_slope is not defined for the extra key positions of ",
                    "add_bias_kv / add_zero_attn");
     }

@@ -19,15 +19,37 @@ struct RowStats {
   T sum;  ///< sum of exp(x - max) over the row (plus exp(sink - max)); 0 for an empty row
 };
 
-/// `row -> exp(row - max)` in place for a finite `max`, with exactly 0 where the shifted score is
-/// -inf (Eigen's vectorised exp returns a tiny denormal there on some instruction sets, not 0).
+/// The most negative argument for which exp gives a normal number (exp(-87) = 1.6e-38 > FLT_MIN;
+/// exp(-708) = 3.3e-308 > DBL_MIN).
+template <class T>
+constexpr T exp_normal_floor() {
+  return std::numeric_limits<T>::digits > 24 ? T(-708) : T(-87);
+}
+
+/// `row -> exp(row - max)` in place for a finite `max`, with exactly what `std::exp` gives where it
+/// matters: 0 for -inf (masked) scores and for arguments that underflow. Eigen's vectorised exp
+/// clamps its argument, returning a tiny denormal there instead, so it is used only when every
+/// shifted score is above `exp_normal_floor` (one vectorised min tells); other rows take `std::exp`
+/// per entry. Leading and trailing -inf runs (causal and window masks) are zeroed without any exp.
 /// \returns the sum of the new row.
 template <class T>
 T exp_shifted_inplace(Eigen::Ref<RowVector<T>> row, T max) {
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
-  row.array() -= max;
-  row.array() = (row.array() == neg_inf).select(T(0), row.array().exp());
-  return row.sum();
+  const Index size = row.size();
+  Index begin = 0;
+  Index end = size;
+  while (begin < end && row(begin) == neg_inf) ++begin;
+  while (end > begin && row(end - 1) == neg_inf) --end;
+  row.head(begin).setZero();
+  row.tail(size - end).setZero();
+  if (begin == end) return T(0);
+  Eigen::Ref<RowVector<T>> visible = row.segment(begin, end - begin);
+  if (visible.minCoeff() - max >= exp_normal_floor<T>()) {
+    visible.array() = (visible.array() - max).exp();
+  } else {
+    visible = visible.unaryExpr([max](T x) { return std::exp(x - max); });
+  }
+  return visible.sum();
 }
 
 /// The first half of one row's softmax, in place: `row -> exp(row - max)` (see

@@ -1,0 +1,144 @@
+// One decoding step through a KVCache: 1 query, 32 query heads over 8 key/value heads (GQA),
+// d = 128, float, over caches of 1k, 4k and 16k tokens. A step reads every cached key and value
+// once, so its speed is a memory bandwidth: the `bytes_per_second` of each run counts the K/V bytes
+// streamed (tokens * kv_heads * d * 2 * 4 bytes), and BM_stream_sum, in the same binary, measures
+// what the machine streams at all (a sum over a buffer larger than the largest cache, split over
+// the same threads). The ratio of the two is the fraction of the bandwidth a decoding step
+// achieves.
+//   build/bench/attn_decode_bench --benchmark_counters_tabular=true
+// BM_decode_naive is the plain-loop baseline (scores, softmax, weighted sum per query head).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "bench_support.hpp"
+
+namespace {
+
+using attn::Index;
+
+constexpr Index query_heads = 32;
+constexpr Index kv_heads = 8;
+constexpr Index head_dim = 128;
+
+std::int64_t kv_bytes(Index tokens) {
+  return static_cast<std::int64_t>(tokens * kv_heads * head_dim * 2) *
+         static_cast<std::int64_t>(sizeof(float));
+}
+
+attn::KVCache<float> filled_cache(Index tokens) {
+  attn::KVCacheConfig<float> config;
+  config.d_k = head_dim;
+  config.d_v = head_dim;
+  config.kv_heads = kv_heads;
+  attn::KVCache<float> cache(config);
+  cache.append(attn_bench::random_matrix<float>(tokens, kv_heads * head_dim, 1),
+               attn_bench::random_matrix<float>(tokens, kv_heads * head_dim, 2));
+  return cache;
+}
+
+void BM_decode_step(benchmark::State& state) {
+  const Index tokens = state.range(0);
+  const attn::KVCache<float> cache = filled_cache(tokens);
+  const attn::Matrix<float> q = attn_bench::random_matrix<float>(1, query_heads * head_dim, 3);
+  attn::Matrix<float> out;
+  const attn::AttentionOptions<float> options;
+  for (auto _ : state) {
+    cache.attend(q, options, out);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * kv_bytes(tokens));
+  state.counters["threads"] = attn::num_threads();
+  // 2 GEMVs of tokens x d per query head: 4 tokens d flops each.
+  state.counters["flops"] = benchmark::Counter(static_cast<double>(state.iterations()) * 4.0 *
+                                                   static_cast<double>(tokens) *
+                                                   static_cast<double>(head_dim * query_heads),
+                                               benchmark::Counter::kIsRate);
+}
+
+void BM_decode_naive(benchmark::State& state) {
+  const Index tokens = state.range(0);
+  const attn::KVCache<float> cache = filled_cache(tokens);
+  std::vector<attn::Matrix<float>> K;
+  std::vector<attn::Matrix<float>> V;
+  for (Index h = 0; h < kv_heads; ++h) {
+    K.push_back(cache.keys(h));
+    V.push_back(cache.values(h));
+  }
+  const attn::Matrix<float> q = attn_bench::random_matrix<float>(1, query_heads * head_dim, 3);
+  attn::Matrix<float> out(1, query_heads * head_dim);
+  std::vector<float> p(static_cast<std::size_t>(tokens));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  for (auto _ : state) {
+    for (Index h = 0; h < query_heads; ++h) {
+      const attn::Matrix<float>& K_h = K[static_cast<std::size_t>(h / (query_heads / kv_heads))];
+      const attn::Matrix<float>& V_h = V[static_cast<std::size_t>(h / (query_heads / kv_heads))];
+      float max = -std::numeric_limits<float>::infinity();
+      for (Index j = 0; j < tokens; ++j) {
+        float dot = 0;
+        for (Index c = 0; c < head_dim; ++c) dot += q(0, h * head_dim + c) * K_h(j, c);
+        p[static_cast<std::size_t>(j)] = scale * dot;
+        max = std::max(max, scale * dot);
+      }
+      float sum = 0;
+      for (float& x : p) sum += (x = std::exp(x - max));
+      for (Index c = 0; c < head_dim; ++c) out(0, h * head_dim + c) = 0;
+      for (Index j = 0; j < tokens; ++j) {
+        const float w = p[static_cast<std::size_t>(j)] / sum;
+        for (Index c = 0; c < head_dim; ++c) out(0, h * head_dim + c) += w * V_h(j, c);
+      }
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetBytesProcessed(state.iterations() * kv_bytes(tokens));
+}
+
+/// The streaming baseline: the sum of a 512 MiB float buffer (4x the 16k cache), in as many
+/// contiguous chunks as the cache has key/value heads, over attn's threads (the same split as a
+/// decoding step).
+void BM_stream_sum(benchmark::State& state) {
+  const Index floats = Index(1) << 27;  // 512 MiB
+  attn::Matrix<float> buffer = attn::Matrix<float>::Constant(1, floats, 1.0f);
+  const Index chunks = 2 * kv_heads;  // K and V of each head
+  const Index chunk = floats / chunks;
+  std::vector<double> partial(static_cast<std::size_t>(chunks));
+  for (auto _ : state) {
+    attn::detail::parallel_for<int>(chunks, [&](Index c, int&) {
+      partial[static_cast<std::size_t>(c)] =
+          static_cast<double>(buffer.middleCols(c * chunk, chunk).sum());
+    });
+    benchmark::DoNotOptimize(partial.data());
+  }
+  state.SetBytesProcessed(state.iterations() * floats * static_cast<std::int64_t>(sizeof(float)));
+  state.counters["threads"] = attn::num_threads();
+}
+
+}  // namespace
+
+BENCHMARK(BM_stream_sum)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_decode_step)
+    ->Arg(1024)
+    ->Arg(4096)
+    ->Arg(16384)
+    ->ArgNames({"tokens"})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK(BM_decode_naive)
+    ->Arg(1024)
+    ->Arg(16384)
+    ->ArgNames({"tokens"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+int main(int argc, char** argv) {
+  attn_bench::add_simd_context();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,433 @@
+#pragma once
+/// \file positional.hpp
+/// Where each token is: sinusoidal encodings (Vaswani et al. 2017, and the layouts of Hugging Face
+/// Marian/BART and tensor2tensor/fairseq), learned position embeddings (BERT, GPT-2), rotary
+/// position embedding (RoPE, Su et al. 2021) with partial rotation and position scaling, the
+/// column permutation between the two RoPE pairings, and the standard ALiBi slopes (Press et al.
+/// 2022).
+///
+/// Self-attention alone is permutation equivariant: permuting the tokens permutes the output rows
+/// and nothing else ("dog bites man" and "man bites dog" get the same rows). Each of these adds
+/// position information, either to the embeddings (sinusoidal, learned) or to Q and K (RoPE), or
+/// to the scores (ALiBi, see `AttentionOptions::alibi_slope`).
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <type_traits>
+#include <vector>
+
+#include "error.hpp"
+#include "types.hpp"
+
+namespace attn {
+
+/// Settings of a rotary position embedding beyond its pairing style.
+///
+/// With `d_rot` rotated features (`rotary_dim`, or all `d` when 0), pair `i` (0 <= i < d_rot / 2)
+/// at position `p` turns by the angle
+///
+///     theta(p, i) = (p / linear_scale) * base'^(-2i / d_rot),
+///     base' = base * ntk_scale^(d_rot / (d_rot - 2))      (base' = base when ntk_scale == 1).
+///
+/// - `linear_scale` s: linear position interpolation (Chen et al. 2023; Hugging Face
+///   `rope_scaling = {"type": "linear", "factor": s}`): positions are divided by s.
+/// - `ntk_scale` a: "NTK-aware" base scaling (bloc97 2023; the fixed-factor form of Hugging Face's
+///   dynamic NTK rule): the base grows so that the lowest frequency is stretched by a while the
+///   highest stays unchanged. Needs d_rot > 2.
+/// - `rotary_dim` d_rot: partial rotary embedding (GPT-J `rotary_dim`, GPT-NeoX `rotary_pct`): only
+///   the first d_rot features of each head rotate, the rest pass through; the exponent uses d_rot,
+///   as those implementations do.
+template <class T>
+struct RopeOptions {
+  T base = T(10000);      ///< the frequency base, > 0
+  Index rotary_dim = 0;   ///< d_rot: even, <= d; 0 = all features
+  T linear_scale = T(1);  ///< s > 0: positions become p / s
+  T ntk_scale = T(1);     ///< a > 0: base' = base * a^(d_rot / (d_rot - 2))
+};
+
+namespace detail {
+
+inline void require_positive_size(const char* function, const char* name, Index value) {
+  if (value <= 0) fail(function, name, " must be at least 1, got ", value);
+}
+
+/// The frequencies `base'^(-2i/d_rot)` of the pairs of a rotary embedding over `head_dim` features,
+/// in double (so that float results carry no error from the angles).
+template <class T>
+std::vector<double> rope_frequencies(const char* function, Index head_dim,
+                                     const RopeOptions<T>& options) {
+  const Index d_rot = options.rotary_dim == 0 ? head_dim : options.rotary_dim;
+  if (d_rot < 0 || d_rot > head_dim || d_rot % 2 != 0) {
+    fail(function, "rotary_dim must be even and at most the feature count ", head_dim, ", got ",
+         options.rotary_dim);
+  }
+  if (!(std::isfinite(options.base) && options.base > T(0))) {
+    fail(function, "base must be finite and > 0, got ", options.base);
+  }
+  if (!(std::isfinite(options.linear_scale) && options.linear_scale > T(0))) {
+    fail(function, "linear_scale must be finite and > 0, got ", options.linear_scale);
+  }
+  if (!(std::isfinite(options.ntk_scale) && options.ntk_scale > T(0))) {
+    fail(function, "ntk_scale must be finite and > 0, got ", options.ntk_scale);
+  }
+  double base = static_cast<double>(options.base);
+  if (options.ntk_scale != T(1)) {
+    if (d_rot <= 2) fail(function, "ntk_scale needs more than 2 rotated features, got ", d_rot);
+    const double dr = static_cast<double>(d_rot);
+    base *= std::pow(static_cast<double>(options.ntk_scale), dr / (dr - 2.0));
+  }
+  std::vector<double> frequencies(static_cast<std::size_t>(d_rot / 2));
+  for (std::size_t i = 0; i < frequencies.size(); ++i) {
+    frequencies[i] = std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(d_rot));
+  }
+  return frequencies;
+}
+
+/// Rotates, in place, every head of every row of X: row r is at position `first_position + r`;
+/// X has `heads * head_dim` columns (head h in columns [h * head_dim, (h + 1) * head_dim)).
+/// The cosines and sines of a row are computed once (in double) and used by all its heads.
+///   Interleaved: (x_2i, x_2i+1) -> (x_2i c - x_2i+1 s, x_2i s + x_2i+1 c)
+///   Half:        (x_i, x_i+h)   -> (x_i c - x_i+h s,   x_i s + x_i+h c),  h = d_rot / 2
+template <class T>
+void rope_kernel(Eigen::Ref<Matrix<T>> X, Index head_dim, Index first_position, RopeStyle style,
+                 const std::vector<double>& frequencies, double linear_scale) {
+  const Index pairs = static_cast<Index>(frequencies.size());
+  const Index heads = X.cols() / head_dim;
+  RowVector<T> c(pairs);
+  RowVector<T> s(pairs);
+  for (Index r = 0; r < X.rows(); ++r) {
+    const double p = static_cast<double>(first_position + r) / linear_scale;
+    for (Index i = 0; i < pairs; ++i) {
+      const double angle = p * frequencies[static_cast<std::size_t>(i)];
+      c(i) = static_cast<T>(std::cos(angle));
+      s(i) = static_cast<T>(std::sin(angle));
+    }
+    for (Index h = 0; h < heads; ++h) {
+      T* x = X.row(r).data() + h * head_dim;
+      for (Index i = 0; i < pairs; ++i) {
+        const Index a = style == RopeStyle::Interleaved ? 2 * i : i;
+        const Index b = style == RopeStyle::Interleaved ? 2 * i + 1 : i + pairs;
+        const T xa = x[a];
+        const T xb = x[b];
+        x[a] = xa * c(i) - xb * s(i);
+        x[b] = xa * s(i) + xb * c(i);
+      }
+    }
+  }
+}
+
+template <class T>
+void rope_checked(const char* function, Eigen::Ref<Matrix<T>> X, Index offset, RopeStyle style,
+                  const RopeOptions<T>& options) {
+  if (offset < 0) fail(function, "offset must be >= 0, got ", offset, " (X is ", shape_of(X), ")");
+  const std::vector<double> frequencies = rope_frequencies(function, X.cols(), options);
+  rope_kernel<T>(X, X.cols(), offset, style, frequencies,
+                 static_cast<double>(options.linear_scale));
+}
+
+}  // namespace detail
+
+// ------------------------------------------------------------------------------------------------
+// Sinusoidal encodings
+// ------------------------------------------------------------------------------------------------
+
+/// The sinusoidal position encoding of "Attention Is All You Need", in the paper's interleaved
+/// layout: `PE[p, 2i] = sin(p / 10000^(2i/d))`, `PE[p, 2i+1] = cos(p / 10000^(2i/d))`.
+/// \param max_len  positions 0 .. max_len - 1 (rows), >= 0
+/// \param d_model  features d (columns), >= 1. An odd d ends with one sine column,
+///                 `PE[p, d-1] = sin(p / 10000^((d-1)/d))` (the formula, read literally).
+/// \returns max_len x d_model; add it (or a block of it) to the embeddings, one row per token.
+/// \throws shape_error if max_len < 0 or d_model < 1.
+/// \note max_len * d_model sines/cosines, computed in double.
+template <class T>
+Matrix<T> sinusoidal_encoding(Index max_len, Index d_model) {
+  static_assert(detail::is_supported_scalar_v<T>, "attn works on floating-point scalars");
+  if (max_len < 0) detail::fail("sinusoidal_encoding", "max_len must be >= 0, got ", max_len);
+  detail::require_positive_size("sinusoidal_encoding", "d_model", d_model);
+  Matrix<T> PE(max_len, d_model);
+  const double d = static_cast<double>(d_model);
+  for (Index j = 0; j < d_model; ++j) {
+    const double frequency = std::pow(10000.0, -static_cast<double>(j - j % 2) / d);
+    for (Index p = 0; p < max_len; ++p) {
+      const double angle = static_cast<double>(p) * frequency;
+      PE(p, j) = static_cast<T>(j % 2 == 0 ? std::sin(angle) : std::cos(angle));
+    }
+  }
+  return PE;
+}
+
+/// The same frequencies as `sinusoidal_encoding`, in the concatenated layout `[sin | cos]` of
+/// Hugging Face's Marian and BART (`MarianSinusoidalPositionalEmbedding`): column k < ceil(d/2) is
+/// `sin(p / 10000^(2k/d))`, column ceil(d/2) + k is `cos(p / 10000^(2k/d))`. It is the interleaved
+/// table with its even columns first, then its odd ones (so an odd d has one more sine than cosine,
+/// as in Marian).
+/// \param max_len  rows, >= 0
+/// \param d_model  columns, >= 1
+/// \returns max_len x d_model
+/// \throws shape_error if max_len < 0 or d_model < 1.
+template <class T>
+Matrix<T> sinusoidal_encoding_concatenated(Index max_len, Index d_model) {
+  if (max_len < 0) {
+    detail::fail("sinusoidal_encoding_concatenated", "max_len must be >= 0, got ", max_len);
+  }
+  detail::require_positive_size("sinusoidal_encoding_concatenated", "d_model", d_model);
+  const Matrix<T> interleaved = sinusoidal_encoding<T>(max_len, d_model);
+  const Index sines = (d_model + 1) / 2;
+  Matrix<T> PE(max_len, d_model);
+  for (Index j = 0; j < d_model; ++j) {
+    PE.col(j % 2 == 0 ? j / 2 : sines + j / 2) = interleaved.col(j);
+  }
+  return PE;
+}
+
+/// The tensor2tensor / fairseq layout (`get_timing_signal_1d`, `SinusoidalPositionalEmbedding`):
+/// with `h = floor(d/2)` frequencies `f_k = 10000^(-k / max(h - 1, 1))` (k = 0 .. h-1, so the
+/// lowest is exactly 1/10000), column k is `sin(p f_k)`, column h + k is `cos(p f_k)`, and an odd d
+/// ends with a zero column (as both pad).
+/// \param max_len  rows, >= 0; row p is position p (fairseq adds `padding_idx + 1` to its positions
+///                 before looking them up: pass those positions' rows)
+/// \param d_model  columns, >= 1
+/// \returns max_len x d_model
+/// \throws shape_error if max_len < 0 or d_model < 1.
+template <class T>
+Matrix<T> sinusoidal_encoding_tensor2tensor(Index max_len, Index d_model) {
+  static_assert(detail::is_supported_scalar_v<T>, "attn works on floating-point scalars");
+  const char* function = "sinusoidal_encoding_tensor2tensor";
+  if (max_len < 0) detail::fail(function, "max_len must be >= 0, got ", max_len);
+  detail::require_positive_size(function, "d_model", d_model);
+  const Index half = d_model / 2;
+  Matrix<T> PE = Matrix<T>::Zero(max_len, d_model);
+  const double steps = static_cast<double>(std::max<Index>(half - 1, 1));
+  for (Index k = 0; k < half; ++k) {
+    const double frequency = std::exp(-std::log(10000.0) * static_cast<double>(k) / steps);
+    for (Index p = 0; p < max_len; ++p) {
+      const double angle = static_cast<double>(p) * frequency;
+      PE(p, k) = static_cast<T>(std::sin(angle));
+      PE(p, half + k) = static_cast<T>(std::cos(angle));
+    }
+  }
+  return PE;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Learned positions
+// ------------------------------------------------------------------------------------------------
+
+/// Learned absolute position embeddings (BERT, GPT-2): one trainable row per position.
+template <class T>
+class LearnedPositionalEmbedding {
+ public:
+  /// A zero table (load trained values into `table`).
+  /// \throws shape_error if max_len < 1 or d_model < 1.
+  LearnedPositionalEmbedding(Index max_len, Index d_model) {
+    detail::require_positive_size("LearnedPositionalEmbedding", "max_len", max_len);
+    detail::require_positive_size("LearnedPositionalEmbedding", "d_model", d_model);
+    table = Matrix<T>::Zero(max_len, d_model);
+  }
+
+  /// Takes a trained (max_len, d_model) table (e.g. GPT-2's `wpe.weight`, which has this layout).
+  template <class D>
+  explicit LearnedPositionalEmbedding(const Eigen::MatrixBase<D>& trained) : table(trained) {
+    detail::require_positive_size("LearnedPositionalEmbedding", "table rows", table.rows());
+    detail::require_positive_size("LearnedPositionalEmbedding", "table columns", table.cols());
+  }
+
+  Matrix<T> table;  ///< (max_len, d_model): row p is the embedding of position p
+
+  Index max_len() const { return table.rows(); }
+  Index d_model() const { return table.cols(); }
+
+  /// Adds the embeddings of positions offset .. offset + n - 1 to the rows of X, in place.
+  /// \param X       n x d_model, modified (a matrix or a writable block of one)
+  /// \param offset  position of X's first row, >= 0
+  /// \throws shape_error if X has the wrong width, or offset + n > max_len (positions past the
+  ///         table have no embedding: a learned table cannot extrapolate).
+  template <class D>
+  void add_to(Eigen::MatrixBase<D>& X, Index offset = 0) const {
+    check("LearnedPositionalEmbedding::add_to", X, offset);
+    X += table.middleRows(offset, X.rows());
+  }
+  /// `add_to` for a temporary writable expression (`M.middleRows(...)`).
+  template <class D>
+  void add_to(Eigen::MatrixBase<D>&& X, Index offset = 0) const {
+    add_to(X, offset);
+  }
+
+  /// `X + table rows [offset, offset + n)`, as a new matrix (see `add_to`).
+  template <class D>
+  Matrix<T> added(const Eigen::MatrixBase<D>& X, Index offset = 0) const {
+    check("LearnedPositionalEmbedding::added", X, offset);
+    Matrix<T> Y = X;
+    Y += table.middleRows(offset, X.rows());
+    return Y;
+  }
+
+ private:
+  template <class D>
+  void check(const char* function, const Eigen::MatrixBase<D>& X, Index offset) const {
+    static_assert(std::is_same_v<typename D::Scalar, T>, "X must have the table's scalar type");
+    if (X.cols() != table.cols()) {
+      detail::fail(function, "X has ", X.cols(), " columns but the table has ", table.cols(),
+                   " (X is ", detail::shape_of(X), ", table is ", detail::shape_of(table), ")");
+    }
+    if (offset < 0 || offset + X.rows() > table.rows()) {
+      detail::fail(function, "positions ", offset, " .. ", offset + X.rows() - 1,
+                   " are outside the table's 0 .. ", table.rows() - 1, " (X is ",
+                   detail::shape_of(X), ", offset ", offset, ", table is ", detail::shape_of(table),
+                   ")");
+    }
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// Rotary position embedding
+// ------------------------------------------------------------------------------------------------
+
+/// Rotary position embedding (RoPE; Su et al. 2021, "RoFormer"), in place. Row r of X is rotated
+/// for position `offset + r`: pair i turns by `theta = p * base^(-2i/d)` (see `RopeOptions` for
+/// partial rotation and position scaling), `(a, b) -> (a cos - b sin, a sin + b cos)`.
+/// Pairs: `RopeStyle::Interleaved` (2i, 2i+1): RoFormer, GPT-J, Meta's Llama code, ggml "normal";
+/// `RopeStyle::Half` (i, i + d/2): GPT-NeoX, Hugging Face `rotate_half`, ggml "neox".
+/// Apply it to Q and K (not V); `q_m . k_n` then depends on the positions only through m - n.
+/// \param X        n x d (d = one head's width; even when rotary_dim == 0), modified; a matrix or a
+///                 writable row-major block of one
+/// \param offset   position of the first row, >= 0
+/// \param style    the feature pairing
+/// \param options  base, rotary_dim, linear_scale, ntk_scale
+/// \throws shape_error on a negative offset or invalid options (odd or too large rotary_dim, ...).
+/// \note n * d_rot / 2 cosines and sines (in double) plus 3 n d_rot flops; no allocation beyond
+///       the d_rot / 2 frequencies.
+template <class D>
+void rope_inplace(Eigen::MatrixBase<D>& X, Index offset, RopeStyle style,
+                  const RopeOptions<typename D::Scalar>& options = {}) {
+  using T = typename D::Scalar;
+  static_assert(detail::is_supported_scalar_v<T>, "attn works on floating-point scalars");
+  if constexpr (std::is_constructible_v<Eigen::Ref<Matrix<T>>, D&>) {
+    detail::rope_checked<T>("rope_inplace", X.derived(), offset, style, options);
+  } else {  // a column-major or otherwise strided operand: rotate a row-major copy
+    Matrix<T> copy = X;
+    detail::rope_checked<T>("rope_inplace", copy, offset, style, options);
+    X = copy;
+  }
+}
+/// `rope_inplace` for a temporary writable expression (`M.middleRows(...)`).
+template <class D>
+void rope_inplace(Eigen::MatrixBase<D>&& X, Index offset, RopeStyle style,
+                  const RopeOptions<typename D::Scalar>& options = {}) {
+  rope_inplace(X, offset, style, options);
+}
+
+/// Rotary position embedding of a copy of X (see `rope_inplace`).
+/// \param X       n x d
+/// \param offset  position of the first row, >= 0
+/// \param style   `Interleaved` (pairs (2i, 2i+1)) or `Half` (pairs (i, i + d/2))
+/// \param base    frequency base (10000 in most models; Llama 3 uses 500000)
+/// \returns n x d: row r rotated for position offset + r.
+/// \throws shape_error if d is odd, offset < 0 or base <= 0.
+template <class D>
+Matrix<typename D::Scalar> rope(const Eigen::MatrixBase<D>& X, Index offset, RopeStyle style,
+                                typename D::Scalar base = typename D::Scalar(10000)) {
+  using T = typename D::Scalar;
+  Matrix<T> Y = X;
+  RopeOptions<T> options;
+  options.base = base;
+  detail::rope_checked<T>("rope", Y, offset, style, options);
+  return Y;
+}
+
+/// `rope` with partial rotation and position scaling (see `RopeOptions`).
+template <class D>
+Matrix<typename D::Scalar> rope(const Eigen::MatrixBase<D>& X, Index offset, RopeStyle style,
+                                const RopeOptions<typename D::Scalar>& options) {
+  using T = typename D::Scalar;
+  Matrix<T> Y = X;
+  detail::rope_checked<T>("rope", Y, offset, style, options);
+  return Y;
+}
+
+/// Permutes the columns of a query or key projection, head by head, so that weights trained for
+/// one RoPE pairing give identical attention scores under the other: the conversion Hugging Face
+/// applies to Meta's Llama checkpoints (`permute` in `convert_llama_weights_to_hf.py`, there on the
+/// rows of PyTorch's transposed layout). Interleaved -> Half moves, in each head, column
+/// `2i + s` to column `s * d_rot/2 + i` (s = 0, 1); Half -> Interleaved is the inverse; columns
+/// past d_rot stay. Pair (2i, 2i+1) of the one style thereby becomes pair (i, i + d_rot/2) of the
+/// other, with the same frequency, so `rope(X W') rope(X W')^T` equals `rope(X W) rope(X W)^T` (a
+/// permutation of the dot products' terms). Apply it to W_Q and W_K (and their biases, as 1-row
+/// matrices), never to W_V.
+/// \param W           d_in x (heads * head_dim), in the documents' `Q = X W` layout
+/// \param heads       number of heads in W's columns, >= 1
+/// \param from, to    the pairing W was made for, and the one it will be used with
+/// \param rotary_dim  d_rot of each head (0 = head_dim), even
+/// \returns W with its columns permuted (a copy of W when from == to).
+/// \throws shape_error if the columns are not a multiple of heads, or d_rot is odd or too large.
+template <class D>
+Matrix<typename D::Scalar> convert_rope_weights(const Eigen::MatrixBase<D>& W, Index heads,
+                                                RopeStyle from, RopeStyle to,
+                                                Index rotary_dim = 0) {
+  using T = typename D::Scalar;
+  const char* function = "convert_rope_weights";
+  detail::require_positive_size(function, "heads", heads);
+  if (W.cols() % heads != 0) {
+    detail::fail(function, "W has ", W.cols(), " columns, not a multiple of heads = ", heads,
+                 " (W is ", detail::shape_of(W), ")");
+  }
+  const Index head_dim = W.cols() / heads;
+  const Index d_rot = rotary_dim == 0 ? head_dim : rotary_dim;
+  if (d_rot < 0 || d_rot > head_dim || d_rot % 2 != 0) {
+    detail::fail(function, "rotary_dim must be even and at most head_dim = ", head_dim, ", got ",
+                 rotary_dim, " (W is ", detail::shape_of(W), ", heads = ", heads, ")");
+  }
+  Matrix<T> out = W;
+  if (from == to) return out;
+  const Index half = d_rot / 2;
+  for (Index h = 0; h < heads; ++h) {
+    const Index base = h * head_dim;
+    for (Index i = 0; i < half; ++i) {
+      for (Index s = 0; s < 2; ++s) {
+        const Index interleaved = base + 2 * i + s;
+        const Index split = base + s * half + i;
+        if (from == RopeStyle::Interleaved) {
+          out.col(split) = W.col(interleaved);
+        } else {
+          out.col(interleaved) = W.col(split);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------
+// ALiBi
+// ------------------------------------------------------------------------------------------------
+
+/// The standard ALiBi slopes of `heads` heads (Press et al. 2022, and their reference
+/// `get_slopes`): for H a power of two, head h (0-based) gets `2^(-8 (h+1) / H)` (H = 8: 1/2, 1/4,
+/// ..., 1/256). Otherwise, with P the largest power of two below H, the first P heads get the
+/// slopes of P, and the remaining H - P heads take every other slope of 2P, starting with the
+/// first: `2^(-8 (2k+1) / (2P))`, k = 0 .. H-P-1 (H = 12: 2^-1 .. 2^-8, then 2^-0.5, 2^-1.5,
+/// 2^-2.5, 2^-3.5). \param heads  H >= 1 \returns H slopes, one per query head, for
+/// `AttentionOptions::alibi_slope` or
+///          `MultiHeadOptions::alibi_slopes`.
+/// \throws shape_error if heads < 1.
+template <class T>
+std::vector<T> alibi_slopes(Index heads) {
+  static_assert(detail::is_supported_scalar_v<T>, "attn works on floating-point scalars");
+  detail::require_positive_size("alibi_slopes", "heads", heads);
+  Index power = 1;
+  while (power * 2 <= heads) power *= 2;
+  std::vector<T> slopes;
+  slopes.reserve(static_cast<std::size_t>(heads));
+  for (Index h = 0; h < power; ++h) {
+    slopes.push_back(
+        static_cast<T>(std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(power))));
+  }
+  for (Index k = 0; k < heads - power; ++k) {
+    slopes.push_back(static_cast<T>(
+        std::exp2(-8.0 * static_cast<double>(2 * k + 1) / static_cast<double>(2 * power))));
+  }
+  return slopes;
+}
+
+}  // namespace attn

@@ -1,0 +1,411 @@
+/// positional.hpp: sinusoidal encodings, learned positions, RoPE, the RoPE weight conversion and
+/// the ALiBi slopes; per-head slopes and sinks of multi_head.hpp.
+/// - the PyTorch float64 reference cases tests/data/sinusoidal.json, rope_half.json and
+///   rope_interleaved.json, through API.md's calls as written;
+/// - the Marian/BART and tensor2tensor/fairseq layouts, odd widths, partial rotation, linear and
+///   NTK-aware scaling against independent long double loops written from the published formulas;
+/// - RoPE's relative-position property, the in-place variant, the Interleaved <-> Half weight
+///   permutation (equal attention scores);
+/// - ALiBi slopes for H = 8 and 12 from the formulas; per-head slopes and sinks in
+///   `attention_heads` and `MultiHeadAttention::forward` against per-head naive attention.
+
+#include <gtest/gtest.h>
+
+#include <attn/attn.hpp>
+#include <cmath>
+#include <cstddef>
+#include <functional>
+#include <initializer_list>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "test_support.hpp"
+
+namespace {
+
+using attn::Index;
+using attn::RopeStyle;
+using attn_test::LMatrix;
+
+void expect_shape_error(const std::function<void()>& call,
+                        std::initializer_list<const char*> parts) {
+  try {
+    call();
+  } catch (const attn::shape_error& error) {
+    const std::string message = error.what();
+    EXPECT_EQ(message.rfind("attn::", 0), 0u) << message;
+    for (const char* part : parts) {
+      EXPECT_NE(message.find(part), std::string::npos)
+          << "message lacks '" << part << "': " << message;
+    }
+    return;
+  }
+  ADD_FAILURE() << "no attn::shape_error thrown";
+}
+
+/// RoPE by the definition (RoFormer; Hugging Face `inv_freq = 1 / base^(arange(0, d_rot, 2) /
+/// d_rot)`, positions divided by the linear factor, NTK base * a^(d_rot / (d_rot - 2))), in long
+/// double, one pair at a time.
+LMatrix naive_rope(const LMatrix& X, Index offset, RopeStyle style, long double base,
+                   Index rotary_dim = 0, long double linear = 1, long double ntk = 1) {
+  const Index d_rot = rotary_dim == 0 ? X.cols() : rotary_dim;
+  const long double dr = static_cast<long double>(d_rot);
+  const long double b = base * std::pow(ntk, dr / (dr - 2));
+  LMatrix Y = X;
+  for (Index r = 0; r < X.rows(); ++r) {
+    const long double p = static_cast<long double>(offset + r) / linear;
+    for (Index i = 0; i < d_rot / 2; ++i) {
+      const long double theta = p / std::pow(b, static_cast<long double>(2 * i) / dr);
+      const Index a = style == RopeStyle::Interleaved ? 2 * i : i;
+      const Index c = style == RopeStyle::Interleaved ? 2 * i + 1 : i + d_rot / 2;
+      Y(r, a) = X(r, a) * std::cos(theta) - X(r, c) * std::sin(theta);
+      Y(r, c) = X(r, a) * std::sin(theta) + X(r, c) * std::cos(theta);
+    }
+  }
+  return Y;
+}
+
+template <class T>
+class Positional : public ::testing::Test {};
+TYPED_TEST_SUITE(Positional, attn_test::ScalarTypes);
+
+// ------------------------------------------------------------------------------------------------
+// Sinusoidal
+// ------------------------------------------------------------------------------------------------
+
+TYPED_TEST(Positional, SinusoidalReferenceCase) {
+  using T = TypeParam;
+  const attn_test::Case c = attn_test::load_case("sinusoidal");
+  const Index max_len = c.params().at("max_len").get<Index>();
+  const Index d_model = c.params().at("d_model").get<Index>();
+  const attn::Matrix<T> PE = attn::sinusoidal_encoding<T>(max_len, d_model);
+  EXPECT_TRUE(attn_test::near_t<T>(PE, c.expected<double>("PE")));
+}
+
+TYPED_TEST(Positional, SinusoidalOddWidthFollowsTheFormula) {
+  using T = TypeParam;
+  for (const Index d : {Index(1), Index(7), Index(16)}) {
+    LMatrix expected(20, d);
+    for (Index p = 0; p < 20; ++p) {
+      for (Index j = 0; j < d; ++j) {  // PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos
+        const long double angle =
+            static_cast<long double>(p) /
+            std::pow(10000.0L, static_cast<long double>(j - j % 2) / static_cast<long double>(d));
+        expected(p, j) = j % 2 == 0 ? std::sin(angle) : std::cos(angle);
+      }
+    }
+    EXPECT_TRUE(attn_test::near_t<T>(attn::sinusoidal_encoding<T>(20, d), expected)) << "d " << d;
+  }
+}
+
+TYPED_TEST(Positional, SinusoidalConcatenatedIsMarianLayout) {
+  using T = TypeParam;
+  for (const Index d : {Index(8), Index(9)}) {
+    // Hugging Face MarianSinusoidalPositionalEmbedding._init_weight, literally:
+    // position_enc[p, j] = p / 10000^(2 (j // 2) / d); sentinel = ceil(d / 2);
+    // out[:, :sentinel] = sin(position_enc[:, 0::2]); out[:, sentinel:] = cos(position_enc[:,
+    // 1::2])
+    const Index sentinel = d % 2 == 0 ? d / 2 : d / 2 + 1;
+    LMatrix expected(11, d);
+    for (Index p = 0; p < 11; ++p) {
+      const auto enc = [&](Index j) {
+        return static_cast<long double>(p) /
+               std::pow(10000.0L,
+                        static_cast<long double>(2 * (j / 2)) / static_cast<long double>(d));
+      };
+      Index col = 0;
+      for (Index j = 0; j < d; j += 2) expected(p, col++) = std::sin(enc(j));
+      EXPECT_EQ(col, sentinel);
+      for (Index j = 1; j < d; j += 2) expected(p, col++) = std::cos(enc(j));
+    }
+    EXPECT_TRUE(attn_test::near_t<T>(attn::sinusoidal_encoding_concatenated<T>(11, d), expected))
+        << "d " << d;
+  }
+}
+
+TYPED_TEST(Positional, SinusoidalTensor2TensorIsFairseqLayout) {
+  using T = TypeParam;
+  for (const Index d : {Index(10), Index(9)}) {
+    // fairseq SinusoidalPositionalEmbedding.get_embedding: half = d // 2,
+    // f_k = exp(-k log(10000) / (half - 1)), [sin(p f) | cos(p f)], zero column if d is odd.
+    const Index half = d / 2;
+    LMatrix expected = LMatrix::Zero(12, d);
+    for (Index p = 0; p < 12; ++p) {
+      for (Index k = 0; k < half; ++k) {
+        const long double f = std::exp(-static_cast<long double>(k) * std::log(10000.0L) /
+                                       static_cast<long double>(half - 1));
+        expected(p, k) = std::sin(static_cast<long double>(p) * f);
+        expected(p, half + k) = std::cos(static_cast<long double>(p) * f);
+      }
+    }
+    EXPECT_TRUE(attn_test::near_t<T>(attn::sinusoidal_encoding_tensor2tensor<T>(12, d), expected))
+        << "d " << d;
+  }
+}
+
+TEST(PositionalErrors, SinusoidalBadSizes) {
+  expect_shape_error([] { attn::sinusoidal_encoding<float>(-1, 4); },
+                     {"sinusoidal_encoding", "max_len", "-1"});
+  expect_shape_error([] { attn::sinusoidal_encoding<float>(4, 0); }, {"d_model", "0"});
+  expect_shape_error([] { attn::sinusoidal_encoding_tensor2tensor<double>(4, 0); },
+                     {"sinusoidal_encoding_tensor2tensor", "d_model"});
+}
+
+// ------------------------------------------------------------------------------------------------
+// Learned
+// ------------------------------------------------------------------------------------------------
+
+TYPED_TEST(Positional, LearnedAddsTheRowsOfItsPositions) {
+  using T = TypeParam;
+  std::mt19937 rng(5);
+  const attn::Matrix<T> table = attn_test::random_matrix<T>(10, 4, rng);
+  const attn::LearnedPositionalEmbedding<T> embedding(table);
+  EXPECT_EQ(embedding.max_len(), 10);
+  EXPECT_EQ(embedding.d_model(), 4);
+  const attn::Matrix<T> X = attn_test::random_matrix<T>(3, 4, rng);
+  attn::Matrix<T> Y = X;
+  embedding.add_to(Y, 6);
+  for (Index r = 0; r < 3; ++r) {
+    for (Index c = 0; c < 4; ++c) EXPECT_EQ(Y(r, c), X(r, c) + table(6 + r, c));
+  }
+  EXPECT_TRUE(attn_test::identical(embedding.added(X, 6), Y));
+  attn::Matrix<T> Z = attn::Matrix<T>::Zero(5, 4);
+  embedding.add_to(Z.middleRows(1, 2), 0);  // a writable block
+  EXPECT_TRUE(attn_test::identical(Z.middleRows(1, 2), table.topRows(2)));
+  EXPECT_TRUE(attn_test::all_zero(Z.row(0)));
+}
+
+TEST(PositionalErrors, LearnedPastMaxLen) {
+  const attn::LearnedPositionalEmbedding<float> embedding(8, 4);
+  attn::Matrix<float> X = attn::Matrix<float>::Zero(3, 4);
+  expect_shape_error([&] { embedding.add_to(X, 6); },
+                     {"LearnedPositionalEmbedding::add_to", "6 .. 8", "0 .. 7", "3 x 4", "8 x 4"});
+  expect_shape_error([&] { embedding.add_to(X, -1); }, {"-1"});
+  attn::Matrix<float> W = attn::Matrix<float>::Zero(3, 5);
+  expect_shape_error([&] { embedding.add_to(W, 0); }, {"5 columns", "4", "3 x 5", "8 x 4"});
+  expect_shape_error([] { attn::LearnedPositionalEmbedding<float>(0, 4); }, {"max_len"});
+}
+
+// ------------------------------------------------------------------------------------------------
+// RoPE
+// ------------------------------------------------------------------------------------------------
+
+TYPED_TEST(Positional, RopeReferenceCases) {
+  using T = TypeParam;
+  for (const auto& [name, style] : {std::pair<std::string, RopeStyle>{"rope_half", RopeStyle::Half},
+                                    {"rope_interleaved", RopeStyle::Interleaved}}) {
+    const attn_test::Case c = attn_test::load_case(name);
+    ASSERT_EQ(c.params().at("style").get<std::string>(),
+              style == RopeStyle::Half ? "half" : "interleaved");
+    const Index offset = c.params().at("offset").get<Index>();
+    const T base = static_cast<T>(c.params().at("base").get<double>());
+    const attn::Matrix<T> X = c.input<T>("X");
+    EXPECT_TRUE(attn_test::near_t<T>(attn::rope(X, offset, style, base), c.expected<double>("Y")))
+        << name;
+    attn::Matrix<T> Y = X;
+    attn::rope_inplace(Y, offset, style);
+    EXPECT_TRUE(attn_test::near_t<T>(Y, c.expected<double>("Y"))) << name << " in place";
+  }
+}
+
+TYPED_TEST(Positional, RopeMatchesTheDefinitionWithScalingAndPartialRotation) {
+  using T = TypeParam;
+  std::mt19937 rng(11);
+  const attn::Matrix<T> X = attn_test::random_matrix<T>(9, 12, rng);
+  const LMatrix XL = attn_test::to_long_double(X);
+  for (const RopeStyle style : {RopeStyle::Interleaved, RopeStyle::Half}) {
+    attn::RopeOptions<T> options;
+    options.base = T(500000);
+    EXPECT_TRUE(
+        attn_test::near_t<T>(attn::rope(X, 40, style, options), naive_rope(XL, 40, style, 500000)));
+    options.rotary_dim = 8;  // features 8 .. 11 pass through
+    options.linear_scale = T(4);
+    EXPECT_TRUE(attn_test::near_t<T>(attn::rope(X, 40, style, options),
+                                     naive_rope(XL, 40, style, 500000, 8, 4)));
+    options.linear_scale = T(1);
+    options.ntk_scale = T(8);
+    EXPECT_TRUE(attn_test::near_t<T>(attn::rope(X, 1000, style, options),
+                                     naive_rope(XL, 1000, style, 500000, 8, 1, 8)));
+    // In place on a block of a column-major matrix: the copy path.
+    Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> C = X;
+    attn::rope_inplace(C, 40, style, options);
+    EXPECT_TRUE(attn_test::near_t<T>(C, naive_rope(XL, 40, style, 500000, 8, 1, 8)));
+  }
+}
+
+TYPED_TEST(Positional, RopeScoresDependOnlyOnRelativePosition) {
+  using T = TypeParam;
+  std::mt19937 rng(3);
+  const attn::Matrix<T> q = attn_test::random_matrix<T>(1, 16, rng);
+  const attn::Matrix<T> k = attn_test::random_matrix<T>(1, 16, rng);
+  for (const RopeStyle style : {RopeStyle::Interleaved, RopeStyle::Half}) {
+    const T near_origin = (attn::rope(q, 7, style) * attn::rope(k, 3, style).transpose())(0, 0);
+    const T far_away = (attn::rope(q, 107, style) * attn::rope(k, 103, style).transpose())(0, 0);
+    EXPECT_NEAR(static_cast<double>(near_origin), static_cast<double>(far_away),
+                100 * attn_test::Tol<T>::rel * 16);
+  }
+}
+
+TYPED_TEST(Positional, ConvertRopeWeightsGivesEqualScores) {
+  using T = TypeParam;
+  std::mt19937 rng(17);
+  const Index heads = 3;
+  const Index head_dim = 8;
+  const attn::Matrix<T> X = attn_test::random_matrix<T>(6, 10, rng);
+  const attn::Matrix<T> W_Q = attn_test::random_matrix<T>(10, heads * head_dim, rng, 0.3);
+  const attn::Matrix<T> W_K = attn_test::random_matrix<T>(10, heads * head_dim, rng, 0.3);
+  for (const Index rotary_dim : {Index(0), Index(4)}) {
+    for (const RopeStyle from : {RopeStyle::Interleaved, RopeStyle::Half}) {
+      const RopeStyle to = from == RopeStyle::Half ? RopeStyle::Interleaved : RopeStyle::Half;
+      const attn::Matrix<T> W_Q2 = attn::convert_rope_weights(W_Q, heads, from, to, rotary_dim);
+      const attn::Matrix<T> W_K2 = attn::convert_rope_weights(W_K, heads, from, to, rotary_dim);
+      EXPECT_TRUE(
+          attn_test::identical(attn::convert_rope_weights(W_Q2, heads, to, from, rotary_dim),
+                               W_Q));  // a permutation and its inverse
+      attn::RopeOptions<T> options;
+      options.rotary_dim = rotary_dim;
+      const attn::Matrix<T> Q = X * W_Q;
+      const attn::Matrix<T> K = X * W_K;
+      const attn::Matrix<T> Q2 = X * W_Q2;
+      const attn::Matrix<T> K2 = X * W_K2;
+      for (Index h = 0; h < heads; ++h) {
+        const auto head = [&](const attn::Matrix<T>& M) {
+          return attn::Matrix<T>(M.middleCols(h * head_dim, head_dim));
+        };
+        const attn::Matrix<T> made_for = attn::scores(attn::rope(head(Q), 5, from, options),
+                                                      attn::rope(head(K), 0, from, options));
+        const attn::Matrix<T> used_with = attn::scores(attn::rope(head(Q2), 5, to, options),
+                                                       attn::rope(head(K2), 0, to, options));
+        EXPECT_TRUE(attn_test::near(used_with, made_for, 10 * attn_test::Tol<T>::rel,
+                                    10 * attn_test::Tol<T>::abs))
+            << "head " << h << ", rotary_dim " << rotary_dim;
+        // Without the conversion the scores differ: the test would see a wrong permutation.
+        const attn::Matrix<T> unconverted =
+            attn::scores(attn::rope(head(Q), 5, to, options), attn::rope(head(K), 0, to, options));
+        EXPECT_GT((unconverted - made_for).cwiseAbs().maxCoeff(), T(1e-3));
+      }
+    }
+  }
+}
+
+TEST(PositionalErrors, RopeBadArguments) {
+  const attn::Matrix<float> odd = attn::Matrix<float>::Zero(2, 5);
+  expect_shape_error([&] { attn::rope(odd, 0, RopeStyle::Half); },
+                     {"attn::rope", "rotary_dim", "5"});
+  const attn::Matrix<float> X = attn::Matrix<float>::Zero(2, 4);
+  expect_shape_error([&] { attn::rope(X, -2, RopeStyle::Half); }, {"offset", "-2", "2 x 4"});
+  expect_shape_error([&] { attn::rope(X, 0, RopeStyle::Half, 0.0f); }, {"base"});
+  attn::RopeOptions<float> options;
+  options.rotary_dim = 6;
+  expect_shape_error([&] { attn::rope(X, 0, RopeStyle::Half, options); }, {"rotary_dim", "6"});
+  expect_shape_error(
+      [] {
+        attn::convert_rope_weights(attn::Matrix<float>::Zero(4, 10), 3, RopeStyle::Half,
+                                   RopeStyle::Interleaved);
+      },
+      {"convert_rope_weights", "10 columns", "heads = 3", "4 x 10"});
+}
+
+// ------------------------------------------------------------------------------------------------
+// ALiBi slopes
+// ------------------------------------------------------------------------------------------------
+
+TEST(AlibiSlopes, PowerOfTwoHeads) {
+  const std::vector<double> slopes = attn::alibi_slopes<double>(8);
+  ASSERT_EQ(slopes.size(), 8u);
+  for (std::size_t h = 0; h < 8; ++h) EXPECT_EQ(slopes[h], 1.0 / static_cast<double>(2 << h));
+  EXPECT_EQ(attn::alibi_slopes<float>(1), std::vector<float>{1.0f / 256.0f});
+}
+
+TEST(AlibiSlopes, TwelveHeadsInterpolated) {
+  // Press et al.'s get_slopes(12): get_slopes_power_of_2(8) + get_slopes_power_of_2(16)[0::2][:4].
+  const std::vector<double> slopes = attn::alibi_slopes<double>(12);
+  ASSERT_EQ(slopes.size(), 12u);
+  for (std::size_t h = 0; h < 8; ++h) {
+    EXPECT_DOUBLE_EQ(slopes[h], std::pow(2.0, -static_cast<double>(h + 1)));
+  }
+  const double sixteen[4] = {std::pow(2.0, -0.5), std::pow(2.0, -1.5), std::pow(2.0, -2.5),
+                             std::pow(2.0, -3.5)};
+  for (std::size_t k = 0; k < 4; ++k) EXPECT_DOUBLE_EQ(slopes[8 + k], sixteen[k]);
+  expect_shape_error([] { attn::alibi_slopes<float>(0); }, {"alibi_slopes", "heads"});
+}
+
+// ------------------------------------------------------------------------------------------------
+// Per-head slopes and sinks
+// ------------------------------------------------------------------------------------------------
+
+TYPED_TEST(Positional, AlibiPerHeadSlopesAndSinksInAttentionHeads) {
+  using T = TypeParam;
+  std::mt19937 rng(23);
+  const Index heads = 4;
+  const Index kv_heads = 2;
+  const Index n = 5;
+  const Index m = 9;
+  attn::Tensor3<T> Q(heads, n, 6);
+  attn::Tensor3<T> K(kv_heads, m, 6);
+  attn::Tensor3<T> V(kv_heads, m, 3);
+  for (Index h = 0; h < heads; ++h)
+    attn::detail::slice(Q, h) = attn_test::random_matrix<T>(n, 6, rng);
+  for (Index h = 0; h < kv_heads; ++h) {
+    attn::detail::slice(K, h) = attn_test::random_matrix<T>(m, 6, rng);
+    attn::detail::slice(V, h) = attn_test::random_matrix<T>(m, 3, rng);
+  }
+  attn::MultiHeadOptions<T> options;
+  options.causal = attn::Causal::BottomRight;
+  options.alibi_slopes = attn::alibi_slopes<T>(heads);
+  options.sinks = std::vector<T>{T(0.5), T(-1), T(2), T(0)};
+  const attn::Tensor3<T> out = attn::attention_heads(Q, K, V, options);
+  for (Index h = 0; h < heads; ++h) {
+    attn::AttentionOptions<T> single;
+    single.causal = attn::Causal::BottomRight;
+    single.alibi_slope = static_cast<T>(std::exp2(-8.0 * static_cast<double>(h + 1) / 4.0));
+    single.sink = (*options.sinks)[static_cast<std::size_t>(h)];
+    const Index kv = h / 2;
+    const attn_test::NaiveAttention expected = attn_test::naive_attention<T>(
+        attn::detail::slice(Q, h), attn::detail::slice(K, kv), attn::detail::slice(V, kv), single);
+    EXPECT_TRUE(attn_test::near_t<T>(attn::detail::slice(out, h), expected.output)) << "head " << h;
+  }
+  options.sinks = std::vector<T>{T(0)};
+  expect_shape_error([&] { attn::attention_heads(Q, K, V, options); },
+                     {"attention_heads", "sinks has 1 entries", "4 query heads"});
+  options.sinks.reset();
+  options.alibi_slope = T(1);
+  expect_shape_error([&] { attn::attention_heads(Q, K, V, options); },
+                     {"alibi_slopes or alibi_slope"});
+}
+
+TYPED_TEST(Positional, AlibiPerHeadSlopesAndSinksInMultiHeadForward) {
+  using T = TypeParam;
+  attn::MultiHeadConfig config{12, 3};
+  const attn::MultiHeadAttention<T> layer(config, 7);
+  std::mt19937 rng(29);
+  const attn::Matrix<T> X = attn_test::random_matrix<T>(6, 12, rng);
+  attn::MultiHeadOptions<T> options;
+  options.causal = attn::Causal::BottomRight;
+  options.alibi_slopes = attn::alibi_slopes<T>(3);  // 2^-4, 2^-8, then 2^-2 (from 4 heads)
+  options.sinks = std::vector<T>{T(1), T(-2), T(0.25)};
+  const attn::Matrix<T> out = layer.forward(X, options);
+
+  const LMatrix Q = attn_test::naive_product(X, layer.W_Q);
+  const LMatrix K = attn_test::naive_product(X, layer.W_K);
+  const LMatrix V = attn_test::naive_product(X, layer.W_V);
+  const double slopes[3] = {std::exp2(-4.0), std::exp2(-8.0), std::exp2(-2.0)};
+  LMatrix concat(6, 12);
+  for (Index h = 0; h < 3; ++h) {
+    attn::AttentionOptions<long double> single;
+    single.causal = attn::Causal::BottomRight;
+    single.alibi_slope = static_cast<long double>(slopes[h]);
+    single.sink = static_cast<long double>((*options.sinks)[static_cast<std::size_t>(h)]);
+    concat.middleCols(h * 4, 4) =
+        attn_test::naive_attention<long double>(Q.middleCols(h * 4, 4), K.middleCols(h * 4, 4),
+                                                V.middleCols(h * 4, 4), single)
+            .output;
+  }
+  const LMatrix expected = attn_test::naive_product(concat, layer.W_O);
+  EXPECT_TRUE(
+      attn_test::near(out, expected, 10 * attn_test::Tol<T>::rel, 10 * attn_test::Tol<T>::abs));
+}
+
+}  // namespace
