@@ -21,19 +21,7 @@ template <class T>
 class Flash : public ::testing::Test {};
 TYPED_TEST_SUITE(Flash, attn_test::ScalarTypes);
 
-const std::vector<std::string> kForwardCases = {"sdpa_additive_bias",
-                                                "sdpa_bool_mask",
-                                                "sdpa_causal_bottom_right",
-                                                "sdpa_causal_more_queries",
-                                                "sdpa_causal_square",
-                                                "sdpa_causal_top_left",
-                                                "sdpa_custom_scale",
-                                                "sdpa_large_scores",
-                                                "sdpa_long",
-                                                "sdpa_long_noncausal",
-                                                "sdpa_rect",
-                                                "sdpa_sliding_window",
-                                                "sdpa_square"};
+using attn_test::kForwardCases;
 
 // Every reference case, with the default tiles and with tiny ones (several tiles per case, partial
 // tiles at both edges).

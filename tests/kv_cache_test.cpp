@@ -33,21 +33,7 @@ using attn::Mask;
 using attn::RopeStyle;
 using attn_test::LMatrix;
 
-void expect_shape_error(const std::function<void()>& call,
-                        std::initializer_list<const char*> parts) {
-  try {
-    call();
-  } catch (const attn::shape_error& error) {
-    const std::string message = error.what();
-    EXPECT_EQ(message.rfind("attn::", 0), 0u) << message;
-    for (const char* part : parts) {
-      EXPECT_NE(message.find(part), std::string::npos)
-          << "message lacks '" << part << "': " << message;
-    }
-    return;
-  }
-  ADD_FAILURE() << "no attn::shape_error thrown";
-}
+using attn_test::expect_shape_error;
 
 /// The keys query i of a length-n sequence sees: j <= i, and with a window w, j >= i - w unless j
 /// is one of the first `sinks` tokens (StreamingLLM).

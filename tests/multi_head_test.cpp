@@ -835,25 +835,7 @@ TYPED_TEST(MultiHeadLayer, XavierInitialisationIsDeterministicAndBounded) {
 // Errors: attn::shape_error with both shapes (or sizes) in the message
 // ------------------------------------------------------------------------------------------------
 
-/// `call` throws attn::shape_error whose message starts with "attn::" and contains every part.
-void expect_shape_error(const std::function<void()>& call,
-                        std::initializer_list<const char*> parts) {
-  try {
-    call();
-  } catch (const attn::shape_error& error) {
-    const std::string message = error.what();
-    EXPECT_EQ(message.rfind("attn::", 0), 0u) << message;
-    for (const char* part : parts) {
-      EXPECT_NE(message.find(part), std::string::npos)
-          << "message lacks '" << part << "': " << message;
-    }
-    return;
-  } catch (const std::exception& error) {
-    ADD_FAILURE() << "threw something other than attn::shape_error: " << error.what();
-    return;
-  }
-  ADD_FAILURE() << "did not throw";
-}
+using attn_test::expect_shape_error;
 
 using Layer = MultiHeadAttention<float>;
 using Tensor = Tensor3<float>;

@@ -29,21 +29,7 @@ using attn::Index;
 using attn::RopeStyle;
 using attn_test::LMatrix;
 
-void expect_shape_error(const std::function<void()>& call,
-                        std::initializer_list<const char*> parts) {
-  try {
-    call();
-  } catch (const attn::shape_error& error) {
-    const std::string message = error.what();
-    EXPECT_EQ(message.rfind("attn::", 0), 0u) << message;
-    for (const char* part : parts) {
-      EXPECT_NE(message.find(part), std::string::npos)
-          << "message lacks '" << part << "': " << message;
-    }
-    return;
-  }
-  ADD_FAILURE() << "no attn::shape_error thrown";
-}
+using attn_test::expect_shape_error;
 
 /// RoPE by the definition (RoFormer; Hugging Face `inv_freq = 1 / base^(arange(0, d_rot, 2) /
 /// d_rot)`, positions divided by the linear factor, NTK base * a^(d_rot / (d_rot - 2))), in long

@@ -20,19 +20,7 @@ namespace {
 
 /// Every forward scaled-dot-product case. A missing file fails its own test (load_case throws) and
 /// `AllCaseFilesArePresent`; a new sdpa_* file not listed here fails `EveryCaseFileIsListed`.
-const std::vector<std::string> kCases = {"sdpa_additive_bias",
-                                         "sdpa_bool_mask",
-                                         "sdpa_causal_bottom_right",
-                                         "sdpa_causal_more_queries",
-                                         "sdpa_causal_square",
-                                         "sdpa_causal_top_left",
-                                         "sdpa_custom_scale",
-                                         "sdpa_large_scores",
-                                         "sdpa_long",
-                                         "sdpa_long_noncausal",
-                                         "sdpa_rect",
-                                         "sdpa_sliding_window",
-                                         "sdpa_square"};
+const std::vector<std::string>& kCases = attn_test::kForwardCases;
 
 TEST(ReferenceCases, AllCaseFilesArePresent) {
   for (const std::string& name : kCases) {

@@ -17,6 +17,8 @@
 #include <cstddef>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
+#include <initializer_list>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -452,6 +454,42 @@ class Case {
   std::string name_;
   nlohmann::json json_;
 };
+
+/// `call` throws attn::shape_error whose message starts with "attn::" and contains every part
+/// (the function, the operand, both shapes).
+inline void expect_shape_error(const std::function<void()>& call,
+                               std::initializer_list<const char*> parts) {
+  try {
+    call();
+  } catch (const attn::shape_error& error) {
+    const std::string message = error.what();
+    EXPECT_EQ(message.rfind("attn::", 0), 0u) << message;
+    for (const char* part : parts) {
+      EXPECT_NE(message.find(part), std::string::npos)
+          << "message lacks '" << part << "': " << message;
+    }
+    return;
+  } catch (const std::exception& error) {
+    ADD_FAILURE() << "threw something other than attn::shape_error: " << error.what();
+    return;
+  }
+  ADD_FAILURE() << "did not throw attn::shape_error";
+}
+
+/// Every forward scaled-dot-product reference case (tests/data/sdpa_*.json but the gradients).
+inline const std::vector<std::string> kForwardCases = {"sdpa_additive_bias",
+                                                       "sdpa_bool_mask",
+                                                       "sdpa_causal_bottom_right",
+                                                       "sdpa_causal_more_queries",
+                                                       "sdpa_causal_square",
+                                                       "sdpa_causal_top_left",
+                                                       "sdpa_custom_scale",
+                                                       "sdpa_large_scores",
+                                                       "sdpa_long",
+                                                       "sdpa_long_noncausal",
+                                                       "sdpa_rect",
+                                                       "sdpa_sliding_window",
+                                                       "sdpa_square"};
 
 /// Loads tests/data/<name>.json; throws std::runtime_error (with the path) if it is missing or not
 /// valid JSON, so a missing case fails its test loudly.
