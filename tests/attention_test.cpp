@@ -25,25 +25,12 @@ using attn_test::LMatrix;
 template <class T>
 using ColMajor = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor>;
 
-template <class T>
-struct Qkv {
-  attn::Matrix<T> Q, K, V;
-};
-
-template <class T>
-Qkv<T> random_qkv(Index n, Index m, Index d, Index d_v, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  Qkv<T> x;
-  x.Q = attn_test::random_matrix<T>(n, d, rng);
-  x.K = attn_test::random_matrix<T>(m, d, rng);
-  x.V = attn_test::random_matrix<T>(m, d_v, rng);
-  return x;
-}
+using attn_test::random_qkv;
 
 /// Runs the three entry points on `x` with `options` and compares every result with the naive
 /// long double pipeline.
 template <class T>
-void expect_matches_naive(const Qkv<T>& x, const attn::AttentionOptions<T>& options) {
+void expect_matches_naive(const attn::QKV<T>& x, const attn::AttentionOptions<T>& options) {
   const attn_test::NaiveAttention expected = attn_test::naive_attention<T>(x.Q, x.K, x.V, options);
   const attn::Attention<T> result = attn::attention_with_weights(x.Q, x.K, x.V, options);
   EXPECT_TRUE(attn_test::near_t<T>(result.weights, expected.weights));
@@ -75,7 +62,7 @@ TYPED_TEST(Attention, CausalWindowMaskBiasScaleAgainstNaive) {
     for (const auto& [n, m] : shapes) {
       SCOPED_TRACE(::testing::Message()
                    << "align " << static_cast<int>(align) << ", n " << n << ", m " << m);
-      const Qkv<T> x = random_qkv<T>(n, m, 4, 3, 50);
+      const attn::QKV<T> x = random_qkv<T>(n, m, 4, 3, 50);
       attn::AttentionOptions<T> options;
       options.causal = align;
       expect_matches_naive<T>(x, options);
@@ -98,7 +85,7 @@ TYPED_TEST(Attention, CausalWindowMaskBiasScaleAgainstNaive) {
 // softcap: scores become c * tanh(s / c), after scaling and before the bias.
 TYPED_TEST(Attention, SoftcapAgainstNaive) {
   using T = TypeParam;
-  const Qkv<T> x = random_qkv<T>(5, 7, 8, 3, 60);
+  const attn::QKV<T> x = random_qkv<T>(5, 7, 8, 3, 60);
   attn::AttentionOptions<T> options;
   options.scale = T(2);  // large scores, so that the cap really bends them
   options.softcap = T(1.5);
@@ -130,7 +117,7 @@ TYPED_TEST(Attention, SoftcapAgainstNaive) {
 TYPED_TEST(Attention, AlibiAgainstNaive) {
   using T = TypeParam;
   for (const Causal align : {Causal::None, Causal::BottomRight, Causal::TopLeft}) {
-    const Qkv<T> x = random_qkv<T>(4, 9, 8, 3, 70);
+    const attn::QKV<T> x = random_qkv<T>(4, 9, 8, 3, 70);
     attn::AttentionOptions<T> options;
     options.causal = align;
     options.alibi_slope = T(0.5);
@@ -153,7 +140,7 @@ TYPED_TEST(Attention, AlibiAgainstNaive) {
 // The sink: exp(sink - max) joins each row's denominator, so rows sum to less than 1.
 TYPED_TEST(Attention, SinkAgainstNaive) {
   using T = TypeParam;
-  const Qkv<T> x = random_qkv<T>(6, 6, 4, 3, 80);
+  const attn::QKV<T> x = random_qkv<T>(6, 6, 4, 3, 80);
   for (const double sink : {-1.0, 0.0, 0.5, 3.0}) {
     SCOPED_TRACE(::testing::Message() << "sink " << sink);
     attn::AttentionOptions<T> options;
@@ -192,7 +179,7 @@ TYPED_TEST(Attention, SinkAgainstNaive) {
 
 TYPED_TEST(Attention, NegativeInfinityBiasActsAsMask) {
   using T = TypeParam;
-  const Qkv<T> x = random_qkv<T>(4, 5, 4, 2, 90);
+  const attn::QKV<T> x = random_qkv<T>(4, 5, 4, 2, 90);
   attn::Matrix<T> bias = attn::Matrix<T>::Zero(4, 5);
   attn::Mask mask = attn::Mask::Constant(4, 5, true);
   const std::pair<Index, Index> blocked[] = {{0, 1}, {1, 4}, {3, 0}, {3, 2}};
@@ -266,7 +253,7 @@ struct Plain {
 
 template <class T>
 Plain<T> plain_inputs(Index n, Index m, Index d, Index d_v, std::uint32_t seed) {
-  const Qkv<T> x = random_qkv<T>(n, m, d, d_v, seed);
+  const attn::QKV<T> x = random_qkv<T>(n, m, d, d_v, seed);
   return {x.Q, x.K, x.V, x.K.transpose()};
 }
 
@@ -419,7 +406,7 @@ TYPED_TEST(Attention, GeneralScalarFactorExpressions) {
   const T c = T(0.3);
   for (const Index size : {Index{3}, Index{24}, Index{100}}) {
     SCOPED_TRACE(::testing::Message() << "size " << size);
-    const Qkv<T> x = random_qkv<T>(size, size + 1, size, 4, 110);
+    const attn::QKV<T> x = random_qkv<T>(size, size + 1, size, 4, 110);
     const attn::Matrix<T> cQ = c * x.Q;  // the plain matrix holding the expression's values
     EXPECT_TRUE(attn_test::identical(attn::scaled_dot_product_attention(c * x.Q, x.K, x.V),
                                      attn::scaled_dot_product_attention(cQ, x.K, x.V)));

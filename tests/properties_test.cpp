@@ -21,20 +21,7 @@ namespace {
 using attn::Causal;
 using attn::Index;
 
-template <class T>
-struct Qkv {
-  attn::Matrix<T> Q, K, V;
-};
-
-template <class T>
-Qkv<T> random_qkv(Index n, Index m, Index d, Index d_v, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  Qkv<T> x;
-  x.Q = attn_test::random_matrix<T>(n, d, rng);
-  x.K = attn_test::random_matrix<T>(m, d, rng);
-  x.V = attn_test::random_matrix<T>(m, d_v, rng);
-  return x;
-}
+using attn_test::random_qkv;
 
 /// Option sets that leave every query at least one key (n == m).
 template <class T>
@@ -61,7 +48,7 @@ TYPED_TEST_SUITE(Properties, attn_test::ScalarTypes);
 
 TYPED_TEST(Properties, RowsOfWeightsSumToOne) {
   using T = TypeParam;
-  const Qkv<T> x = random_qkv<T>(12, 12, 8, 4, 200);
+  const attn::QKV<T> x = random_qkv<T>(12, 12, 8, 4, 200);
   // Summing m weights in T: |sum - 1| <= m eps, with room.
   const double tolerance = 4 * 12 * static_cast<double>(std::numeric_limits<T>::epsilon());
   for (const attn::AttentionOptions<T>& options : option_sets<T>(12, 201)) {
@@ -79,14 +66,14 @@ TYPED_TEST(Properties, RowsOfWeightsSumToOne) {
 TYPED_TEST(Properties, PermutingTokensPermutesOutputs) {
   using T = TypeParam;
   const Index n = 10;
-  const Qkv<T> x = random_qkv<T>(n, n, 8, 5, 210);
+  const attn::QKV<T> x = random_qkv<T>(n, n, 8, 5, 210);
   std::vector<Index> perm(static_cast<std::size_t>(n));
   std::iota(perm.begin(), perm.end(), Index{0});
   std::mt19937 rng(211);
   std::shuffle(perm.begin(), perm.end(), rng);
   ASSERT_FALSE(std::is_sorted(perm.begin(), perm.end()));
   // Token perm[r] moves to row r.
-  Qkv<T> y{attn::Matrix<T>(n, 8), attn::Matrix<T>(n, 8), attn::Matrix<T>(n, 5)};
+  attn::QKV<T> y{attn::Matrix<T>(n, 8), attn::Matrix<T>(n, 8), attn::Matrix<T>(n, 5)};
   for (Index r = 0; r < n; ++r) {
     const Index from = perm[static_cast<std::size_t>(r)];
     y.Q.row(r) = x.Q.row(from);
@@ -131,7 +118,7 @@ TYPED_TEST(Properties, CausalRowsIgnoreTheFutureBitwise) {
   for (const Setup& s : setups) {
     SCOPED_TRACE(::testing::Message()
                  << "n " << s.n << ", m " << s.m << ", align " << static_cast<int>(s.align));
-    const Qkv<T> x = random_qkv<T>(s.n, s.m, 16, 4, 220);
+    const attn::QKV<T> x = random_qkv<T>(s.n, s.m, 16, 4, 220);
     attn::AttentionOptions<T> options;
     options.causal = s.align;
     options.window = s.window;
@@ -141,7 +128,7 @@ TYPED_TEST(Properties, CausalRowsIgnoreTheFutureBitwise) {
     std::mt19937 rng(221);
     for (Index i = 0; i < s.n; ++i) {
       const Index last_key = i + shift;  // keys after this one are the future of query i
-      Qkv<T> y = x;
+      attn::QKV<T> y = x;
       for (Index r = i + 1; r < s.n; ++r) {
         y.Q.row(r) = attn_test::random_matrix<T>(1, 16, rng, 100.0);
       }
@@ -176,7 +163,7 @@ TYPED_TEST(Properties, CausalRowsIgnoreTheFutureBitwise) {
 // the diagonal is always allowed and gets a positive weight.
 TYPED_TEST(Properties, EachTokenAttendsToItself) {
   using T = TypeParam;
-  const Qkv<T> x = random_qkv<T>(11, 11, 8, 3, 230);
+  const attn::QKV<T> x = random_qkv<T>(11, 11, 8, 3, 230);
   for (const Causal align : {Causal::None, Causal::TopLeft, Causal::BottomRight}) {
     for (const std::optional<Index> window : {std::optional<Index>{}, std::optional<Index>{0},
                                               std::optional<Index>{1}, std::optional<Index>{3}}) {
@@ -208,7 +195,7 @@ TYPED_TEST(Properties, EachTokenAttendsToItself) {
 // folds the scale into it), and its tables are consistent with one another.
 TYPED_TEST(Properties, TraceAgreesWithAttentionWithWeights) {
   using T = TypeParam;
-  const Qkv<T> x = random_qkv<T>(12, 12, 8, 4, 240);
+  const attn::QKV<T> x = random_qkv<T>(12, 12, 8, 4, 240);
   std::vector<attn::AttentionOptions<T>> sets = option_sets<T>(12, 241);
   sets.emplace_back();
   sets.back().softcap = T(2);
@@ -332,7 +319,7 @@ TYPED_TEST(Properties, NoNanOrInfWithHugeLogits) {
 // bottom-right alignment with more queries than keys, and a window combined with a mask.
 TYPED_TEST(Properties, FullyMaskedRowsGiveZerosNotNan) {
   using T = TypeParam;
-  const Qkv<T> x = random_qkv<T>(5, 6, 4, 3, 260);
+  const attn::QKV<T> x = random_qkv<T>(5, 6, 4, 3, 260);
   attn::AttentionOptions<T> options;
   options.mask = attn::Mask::Constant(5, 6, true);
   options.mask->row(1).setConstant(false);
@@ -355,7 +342,7 @@ TYPED_TEST(Properties, FullyMaskedRowsGiveZerosNotNan) {
   EXPECT_NEAR(static_cast<double>(result.weights.row(0).sum()), 1.0, 1e-6);
 
   // Bottom-right with n > m: the first n - m queries see no key.
-  const Qkv<T> more = random_qkv<T>(7, 3, 4, 2, 261);
+  const attn::QKV<T> more = random_qkv<T>(7, 3, 4, 2, 261);
   attn::AttentionOptions<T> causal;
   causal.causal = Causal::BottomRight;
   const attn::Attention<T> r = attn::attention_with_weights(more.Q, more.K, more.V, causal);
@@ -371,7 +358,7 @@ TYPED_TEST(Properties, FullyMaskedRowsGiveZerosNotNan) {
   windowed.mask = attn::Mask::Constant(5, 5, true);
   (*windowed.mask)(3, 2) = false;
   (*windowed.mask)(3, 3) = false;
-  const Qkv<T> sq = random_qkv<T>(5, 5, 4, 3, 262);
+  const attn::QKV<T> sq = random_qkv<T>(5, 5, 4, 3, 262);
   const attn::Attention<T> w = attn::attention_with_weights(sq.Q, sq.K, sq.V, windowed);
   EXPECT_TRUE(attn_test::identical(w.weights.row(3), attn::Matrix<T>::Zero(1, 5)));
   EXPECT_TRUE(attn_test::all_zero(w.output.row(3)));

@@ -455,6 +455,17 @@ class Case {
   nlohmann::json json_;
 };
 
+/// Random queries (n x d), keys (m x d) and values (m x d_v), N(0, 1), from `seed`.
+template <class T>
+attn::QKV<T> random_qkv(Index n, Index m, Index d, Index d_v, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  attn::QKV<T> x;
+  x.Q = random_matrix<T>(n, d, rng);
+  x.K = random_matrix<T>(m, d, rng);
+  x.V = random_matrix<T>(m, d_v, rng);
+  return x;
+}
+
 /// `call` throws attn::shape_error whose message starts with "attn::" and contains every part
 /// (the function, the operand, both shapes).
 inline void expect_shape_error(const std::function<void()>& call,
