@@ -296,6 +296,46 @@ TYPED_TEST(KVCacheTest, GroupedQueryDecodingEqualsPerHeadAttention) {
   }
 }
 
+/// The vectorised decoding kernel (detail/decode.hpp: widths of whole packets, here 16) for groups
+/// of 7 = 4 + 2 + 1 and 4 query heads per key/value head, token by token over 140 tokens (tiles of
+/// 64 keys: partial, whole and several), with a softcap and a sink logit, with and without a
+/// window: each step equals per-head attention over the whole sequence.
+TYPED_TEST(KVCacheTest, VectorisedDecodingEqualsPerHeadAttention) {
+  using T = TypeParam;
+  std::mt19937 rng(8);
+  const Index n = 140;
+  const Index d = 16;
+  for (const Index kv_heads : {1, 2}) {
+    const Index heads = kv_heads == 1 ? 7 : 8;
+    const Index group = heads / kv_heads;
+    const attn::Matrix<T> Q = attn_test::random_matrix<T>(n, heads * d, rng);
+    const attn::Matrix<T> K = attn_test::random_matrix<T>(n, kv_heads * d, rng);
+    const attn::Matrix<T> V = attn_test::random_matrix<T>(n, kv_heads * d, rng);
+    attn::AttentionOptions<T> options;
+    if (kv_heads == 2) {
+      options.softcap = T(2);
+      options.sink = T(0.25);
+    }
+    for (const std::optional<Index> window : {std::optional<Index>{}, std::optional<Index>{70}}) {
+      KVCacheConfig<T> config;
+      config.d_k = d;
+      config.d_v = d;
+      config.kv_heads = kv_heads;
+      config.window = window;
+      KVCache<T> cache(config);
+      const attn::Matrix<T> out = decode(cache, Q, K, V, {1}, options, heads * d);
+      for (Index h = 0; h < heads; ++h) {
+        const Index kv = h / group;
+        const LMatrix expected = full_attention<T>(
+            attn::Matrix<T>(Q.middleCols(h * d, d)), attn::Matrix<T>(K.middleCols(kv * d, d)),
+            attn::Matrix<T>(V.middleCols(kv * d, d)), visible(n, window), options);
+        EXPECT_TRUE(attn_test::near_t<T>(out.middleCols(h * d, d), expected))
+            << "head " << h << " of " << heads << (window ? ", windowed" : "");
+      }
+    }
+  }
+}
+
 TEST(KVCacheErrors, ShapesAndPositions) {
   KVCache<float> cache(4, 3, 2);
   const attn::Matrix<float> K = attn::Matrix<float>::Zero(5, 4);

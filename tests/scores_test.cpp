@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <attn/scores.hpp>
+#include <attn/threads.hpp>
 #include <cmath>
 #include <random>
 
@@ -119,6 +120,50 @@ TYPED_TEST(Scores, RectangularAndEmpty) {
   const attn::Matrix<T> no_keys = attn::scores(Q, attn::Matrix<T>(0, 4));
   EXPECT_EQ(no_keys.rows(), 1);
   EXPECT_EQ(no_keys.cols(), 0);
+}
+
+/// The register-tiled kernel (detail/score_tiles.hpp) at every edge of its tiles: query rows around
+/// the 12- and 6-row tiles and their 6/3/1-row tails, key columns around one and two packets, d_k
+/// of 1, 3 and 64; Q as a block of a wider matrix (row stride != d_k), K column-major.
+TYPED_TEST(Scores, TileEdgesAgainstNaive) {
+  using T = TypeParam;
+  std::mt19937 rng(25);
+  for (const Index d : {1, 3, 64}) {
+    for (const Index n : {1, 2, 5, 6, 7, 11, 12, 13, 25, 97}) {
+      for (const Index m : {1, 3, 4, 7, 8, 9, 15, 16, 17, 31, 32, 33, 65}) {
+        const attn::Matrix<T> wide = attn_test::random_matrix<T>(n, d + 5, rng);
+        const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor> K =
+            attn_test::random_matrix<T>(m, d, rng);
+        attn::Matrix<T> S;
+        attn::scores(wide.middleCols(2, d), K, T(0.3), S);
+        const attn::Matrix<T> Q = wide.middleCols(2, d);
+        const attn::Matrix<T> K_rows = K;
+        EXPECT_TRUE(
+            attn_test::near_t<T>(S, naive_scores(Q, K_rows, static_cast<long double>(T(0.3)))))
+            << "n = " << n << ", m = " << m << ", d_k = " << d;
+      }
+    }
+  }
+}
+
+/// A table of over 8 MiB is written with streaming stores when its rows are aligned (1536 columns)
+/// and with ordinary ones otherwise (1531): the same numbers either way, and the same bits with
+/// one thread or two.
+TYPED_TEST(Scores, LargeTablesStreamedOrNot) {
+  using T = TypeParam;
+  std::mt19937 rng(26);
+  for (const Index m : {1536, 1531}) {
+    const Index n = 1536;
+    const attn::Matrix<T> Q = attn_test::random_matrix<T>(n, 4, rng);
+    const attn::Matrix<T> K = attn_test::random_matrix<T>(m, 4, rng);
+    attn::set_num_threads(1);
+    const attn::Matrix<T> one = attn::scores(Q, K, T(0.5));
+    attn::set_num_threads(2);
+    const attn::Matrix<T> two = attn::scores(Q, K, T(0.5));
+    attn::set_num_threads(0);
+    EXPECT_TRUE(attn_test::identical(one, two)) << "m = " << m;
+    EXPECT_TRUE(attn_test::near_t<T>(two, naive_scores(Q, K, 0.5L))) << "m = " << m;
+  }
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "attention.hpp"
+#include "detail/decode.hpp"
 #include "error.hpp"
 #include "flash.hpp"
 #include "positional.hpp"
@@ -21,57 +22,6 @@
 #include "types.hpp"
 
 namespace attn {
-
-namespace detail {
-
-/// Working memory of `decode_kernel`.
-template <class T>
-struct DecodeScratch {
-  Matrix<T> P;         ///< for the materialised kernel of the other paths
-  Matrix<T> q_scaled;  ///< g x d_k
-  Matrix<T> s;         ///< g x tile: scores, then unnormalised probabilities
-  Matrix<T> o;         ///< g x d_v running output
-  Vector<T> m, l;      ///< running maxima and sums
-};
-
-/// One decoding step of the g query heads of a group over their key/value head: the online
-/// softmax of `flash_block`, with coefficient-wise (lazy) products instead of GEMMs, so that each
-/// key and value row is read once from memory and then used from L1 by the g queries (a GEMM
-/// would pack every tile first, which for g = 4 rows costs more than the arithmetic).
-/// Shape contract: q g x d_k, K m x d_k, V m x d_v, o g x d_v. Options: scale, softcap, sink only
-/// (every key visible).
-template <class T>
-void decode_kernel(ConstRef<T> q, ConstRef<T> K, ConstRef<T> V, const AttentionOptions<T>& options,
-                   DecodeScratch<T>& scratch, Eigen::Ref<Matrix<T>> o) {
-  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
-  constexpr Index tile = 128;
-  const Index g = q.rows();
-  scratch.q_scaled.noalias() = scale_of(options, q.cols()) * q;
-  scratch.o.setZero(g, V.cols());
-  scratch.m.setConstant(g, options.sink ? *options.sink : neg_inf);
-  scratch.l.setConstant(g, options.sink ? T(1) : T(0));
-  for (Index j0 = 0; j0 < K.rows(); j0 += tile) {
-    const Index cols = std::min(tile, K.rows() - j0);
-    scratch.s.resize(g, cols);
-    scratch.s.noalias() = scratch.q_scaled.lazyProduct(K.middleRows(j0, cols).transpose());
-    apply_softcap<T>(options, scratch.s);
-    for (Index r = 0; r < g; ++r) {  // online softmax (see flash_block)
-      Eigen::Ref<RowVector<T>> s_r = scratch.s.row(r);
-      const T m_new = std::max(scratch.m(r), s_r.maxCoeff());
-      const T alpha = std::exp(scratch.m(r) - m_new);
-      scratch.l(r) = alpha * scratch.l(r) + exp_shifted_inplace<T>(s_r, m_new);
-      if (alpha != T(1)) scratch.o.row(r) *= alpha;
-      scratch.m(r) = m_new;
-    }
-    scratch.o.noalias() += scratch.s.lazyProduct(V.middleRows(j0, cols));
-  }
-  for (Index r = 0; r < g; ++r) {
-    const T l = scratch.l(r);
-    o.row(r) = scratch.o.row(r) * (l > T(0) ? T(1) / l : T(0));
-  }
-}
-
-}  // namespace detail
 
 /// The shape and behaviour of a `KVCache`.
 template <class T>

@@ -34,8 +34,13 @@ template <class DX, class DW>
 Matrix<typename DX::Scalar> project(const Eigen::MatrixBase<DX>& X,
                                     const Eigen::MatrixBase<DW>& W) {
   detail::check_projection("project", X, W, "W");
-  Matrix<typename DX::Scalar> Y(X.rows(), W.cols());
-  Y.noalias() = X * W;
+  using T = typename DX::Scalar;
+  // Operands are evaluated to row-major storage first (a no-op for row-major matrices), so the
+  // result has the same bits whatever the inputs' storage order or expression.
+  const detail::ConstRef<T> x(X);
+  const detail::ConstRef<T> w(W);
+  Matrix<T> Y(x.rows(), w.cols());
+  Y.noalias() = x * w;
   return Y;
 }
 
@@ -54,8 +59,11 @@ Matrix<typename DX::Scalar> project(const Eigen::MatrixBase<DX>& X, const Eigen:
     detail::fail("project", "b is ", detail::shape_of(b), " but must be a vector of ", W.cols(),
                  " entries (W is ", detail::shape_of(W), ")");
   }
-  Matrix<typename DX::Scalar> Y(X.rows(), W.cols());
-  Y.noalias() = X * W;
+  using T = typename DX::Scalar;
+  const detail::ConstRef<T> x(X);
+  const detail::ConstRef<T> w(W);
+  Matrix<T> Y(x.rows(), w.cols());
+  Y.noalias() = x * w;
   if (b.rows() == 1) {
     Y.rowwise() += b.row(0);
   } else {
@@ -83,9 +91,9 @@ QKV<typename DX::Scalar> project_qkv(const Eigen::MatrixBase<DX>& X,
   const detail::ConstRef<T> x(X);  // evaluate an expression X once, not three times
   QKV<T> qkv{Matrix<T>(X.rows(), W_Q.cols()), Matrix<T>(X.rows(), W_K.cols()),
              Matrix<T>(X.rows(), W_V.cols())};
-  qkv.Q.noalias() = x * W_Q;
-  qkv.K.noalias() = x * W_K;
-  qkv.V.noalias() = x * W_V;
+  qkv.Q.noalias() = x * detail::ConstRef<T>(W_Q);
+  qkv.K.noalias() = x * detail::ConstRef<T>(W_K);
+  qkv.V.noalias() = x * detail::ConstRef<T>(W_V);
   return qkv;
 }
 

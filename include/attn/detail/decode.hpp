@@ -1,0 +1,216 @@
+#pragma once
+/// \file detail/decode.hpp
+/// One decoding step of a group of query heads over their shared key/value head: the online softmax
+/// of `flash_block` with explicit SIMD loops, so that each key and value row is read from memory
+/// once, used from registers by every query head of the group, and nothing else slows the stream.
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#include "../softmax.hpp"
+#include "../types.hpp"
+#include "pipeline.hpp"
+
+namespace attn {
+namespace detail {
+
+/// Working memory of `decode_kernel` (kept per thread by the caller).
+template <class T>
+struct DecodeScratch {
+  Matrix<T> q_scaled;  ///< g x d_k, the queries times the scale
+  Matrix<T> s;         ///< g x tile: scores, then unnormalised probabilities
+  Matrix<T> o;         ///< g x d_v running output
+  Vector<T> m, l;      ///< running maxima and sums
+  Vector<T> alpha;     ///< rescale factor of each running output for the current tile
+};
+
+template <class T>
+using DecodePacket = typename Eigen::internal::packet_traits<T>::type;
+
+template <class T>
+constexpr Index decode_lanes = Eigen::internal::unpacket_traits<DecodePacket<T>>::size;
+
+/// Asks for the cache lines of one row of `width` scalars ahead of its use.
+template <class T>
+EIGEN_STRONG_INLINE void prefetch_row(const T* row, Index width) {
+  constexpr Index line = 64 / Index(sizeof(T));
+  for (Index c = 0; c < width; c += line) Eigen::internal::prefetch(row + c);
+}
+
+/// Scores of heads [h0, h0 + G) against keys [0, cols) of a tile: s(h, j) = q_h . K_j.
+/// Shape contract: q rows of d_k scalars (d_k a multiple of the packet size), K_tile rows of
+/// k_stride. Each key row is loaded once per packet and multiplied into the G accumulators.
+template <class T, std::size_t... h>
+EIGEN_STRONG_INLINE void decode_scores(std::index_sequence<h...>, const T* q, Index q_stride,
+                                       const T* K_tile, Index k_stride, Index cols, Index d_k, T* s,
+                                       Index s_stride, const T* prefetch, Index prefetch_rows) {
+  using Packet = DecodePacket<T>;
+  constexpr Index lanes = decode_lanes<T>;
+  constexpr std::size_t G = sizeof...(h);
+  using Eigen::internal::pload;
+  using Eigen::internal::ploadu;
+  using Eigen::internal::pmadd;
+  using Eigen::internal::predux;
+  using Eigen::internal::pset1;
+  for (Index j = 0; j < cols; ++j) {
+    const T* k_j = K_tile + j * k_stride;
+    if (j < prefetch_rows) prefetch_row(prefetch + j * k_stride, d_k);
+    Packet acc[G];
+    ((acc[h] = pset1<Packet>(T(0))), ...);
+    for (Index c = 0; c < d_k; c += lanes) {
+      const Packet k = ploadu<Packet>(k_j + c);
+      ((acc[h] = pmadd(ploadu<Packet>(q + Index(h) * q_stride + c), k, acc[h])), ...);
+    }
+    ((s[Index(h) * s_stride + j] = predux(acc[h])), ...);
+  }
+}
+
+/// o_h = alpha_h o_h + sum_j p(h, j) V_j for heads [h0, h0 + G), over the columns [c0, c0 + C
+/// packets) of the output: the G x C packets of output stay in registers over the whole tile, each
+/// value packet is loaded once and multiplied into the G heads.
+template <class T, Index C, std::size_t... h>
+EIGEN_STRONG_INLINE void decode_values(std::index_sequence<h...>, const T* p, Index p_stride,
+                                       const T* alpha, const T* V_tile, Index v_stride, Index cols,
+                                       T* o, Index o_stride, const T* prefetch, Index prefetch_rows,
+                                       Index d_v) {
+  using Packet = DecodePacket<T>;
+  constexpr Index lanes = decode_lanes<T>;
+  constexpr std::size_t G = sizeof...(h);
+  using Eigen::internal::ploadu;
+  using Eigen::internal::pmadd;
+  using Eigen::internal::pmul;
+  using Eigen::internal::pset1;
+  using Eigen::internal::pstoreu;
+  Packet acc[G][std::size_t(C)];
+  for (Index c = 0; c < C; ++c) {
+    ((acc[h][c] =
+          pmul(pset1<Packet>(alpha[h]), ploadu<Packet>(o + Index(h) * o_stride + c * lanes))),
+     ...);
+  }
+  for (Index j = 0; j < cols; ++j) {
+    const T* v_j = V_tile + j * v_stride;
+    if (j < prefetch_rows) prefetch_row(prefetch + j * v_stride, d_v);
+    for (Index c = 0; c < C; ++c) {
+      const Packet v = ploadu<Packet>(v_j + c * lanes);
+      ((acc[h][c] = pmadd(pset1<Packet>(p[Index(h) * p_stride + j]), v, acc[h][c])), ...);
+    }
+  }
+  for (Index c = 0; c < C; ++c) {
+    ((pstoreu(o + Index(h) * o_stride + c * lanes, acc[h][c])), ...);
+  }
+}
+
+/// One tile for the heads [h0, h0 + G): scores, online-softmax update, values.
+template <class T, std::size_t G>
+void decode_tile(Index h0, ConstRef<T> K, ConstRef<T> V, Index j0, Index cols,
+                 const AttentionOptions<T>& options, DecodeScratch<T>& scratch) {
+  constexpr Index lanes = decode_lanes<T>;
+  constexpr Index chunk = 16 / Index(G) >= 4 ? 4 : 16 / Index(G);  // packets of output per pass
+  const auto heads = std::make_index_sequence<G>();
+  const Index d_k = K.cols();
+  const Index d_v = V.cols();
+  // The first head group asks for the next tile's rows while it works on this one.
+  const Index next_rows = std::min(cols, K.rows() - (j0 + cols));
+
+  // 1. Scores of the tile (each key row streamed once from memory for the G heads).
+  T* s = scratch.s.data() + h0 * scratch.s.outerStride();
+  const Index s_stride = scratch.s.outerStride();
+  decode_scores<T>(heads, scratch.q_scaled.data() + h0 * scratch.q_scaled.outerStride(),
+                   scratch.q_scaled.outerStride(), K.data() + j0 * K.outerStride(), K.outerStride(),
+                   cols, d_k, s, s_stride, K.data() + (j0 + cols) * K.outerStride(),
+                   h0 == 0 ? next_rows : 0);
+  if (options.softcap) apply_softcap<T>(options, scratch.s.block(h0, 0, Index(G), cols));
+
+  // 2. Online softmax (Milakov & Gimelshein 2018): m' = max(m, max_j s_j), alpha = exp(m - m'),
+  //    p_j = exp(s_j - m'), l' = alpha l + sum_j p_j; the running output is rescaled by alpha in
+  //    step 3 (o' = alpha o + sum_j p_j V_j). The running max starts at -inf (or the sink).
+  for (Index h = h0; h < h0 + Index(G); ++h) {
+    Eigen::Ref<RowVector<T>> s_h = scratch.s.row(h).head(cols);
+    const T m_new = std::max(scratch.m(h), s_h.maxCoeff());
+    if (m_new == -std::numeric_limits<T>::infinity()) {  // nothing visible yet: p = 0, o stays 0
+      s_h.setZero();
+      scratch.alpha(h) = T(1);
+      continue;
+    }
+    scratch.alpha(h) = std::exp(scratch.m(h) - m_new);
+    scratch.l(h) = scratch.alpha(h) * scratch.l(h) + exp_shifted_inplace<T>(s_h, m_new);
+    scratch.m(h) = m_new;
+  }
+
+  // 3. Values, `chunk` packets of output columns at a time (the tile's value rows stay in L1
+  //    between the passes over the columns).
+  const T* alpha = scratch.alpha.data() + h0;
+  T* o = scratch.o.data() + h0 * scratch.o.outerStride();
+  const T* V_tile = V.data() + j0 * V.outerStride();
+  Index c0 = 0;
+  for (; c0 + chunk * lanes <= d_v; c0 += chunk * lanes) {
+    decode_values<T, chunk>(heads, s, s_stride, alpha, V_tile + c0, V.outerStride(), cols, o + c0,
+                            scratch.o.outerStride(), V_tile + cols * V.outerStride(),
+                            h0 == 0 && c0 == 0 ? next_rows : 0, d_v);
+  }
+  for (; c0 < d_v; c0 += lanes) {
+    decode_values<T, 1>(heads, s, s_stride, alpha, V_tile + c0, V.outerStride(), cols, o + c0,
+                        scratch.o.outerStride(), V_tile, 0, d_v);
+  }
+}
+
+/// Whether `decode_kernel` takes its SIMD path: widths that are whole packets.
+template <class T>
+bool decode_vectorised(Index d_k, Index d_v) {
+  return d_k % decode_lanes<T> == 0 && d_v % decode_lanes<T> == 0;
+}
+
+/// One decoding step of the g query heads of a group over their key/value head.
+/// Shape contract: q g x d_k, K m x d_k, V m x d_v, o g x d_v; every key visible. Options: scale,
+/// softcap, sink only. Passes, per tile of 64 keys and per 4 (then 2, 1) query heads: scores
+/// (`decode_scores`), the online-softmax update, values (`decode_values`); finally o / l, guarded.
+/// Widths that are not whole packets go through Eigen's lazy products instead.
+template <class T>
+void decode_kernel(ConstRef<T> q, ConstRef<T> K, ConstRef<T> V, const AttentionOptions<T>& options,
+                   DecodeScratch<T>& scratch, Eigen::Ref<Matrix<T>> o) {
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  constexpr Index tile = 64;
+  const Index g = q.rows();
+  scratch.q_scaled.noalias() = scale_of(options, q.cols()) * q;
+  scratch.o.setZero(g, V.cols());
+  scratch.m.setConstant(g, options.sink ? *options.sink : neg_inf);
+  scratch.l.setConstant(g, options.sink ? T(1) : T(0));
+  scratch.alpha.resize(g);
+  scratch.s.resize(g, tile);
+  const bool vectorised = decode_vectorised<T>(K.cols(), V.cols());
+  for (Index j0 = 0; j0 < K.rows(); j0 += tile) {
+    const Index cols = std::min(tile, K.rows() - j0);
+    if (vectorised) {
+      Index h0 = 0;
+      for (; h0 + 4 <= g; h0 += 4) decode_tile<T, 4>(h0, K, V, j0, cols, options, scratch);
+      for (; h0 + 2 <= g; h0 += 2) decode_tile<T, 2>(h0, K, V, j0, cols, options, scratch);
+      for (; h0 < g; ++h0) decode_tile<T, 1>(h0, K, V, j0, cols, options, scratch);
+      continue;
+    }
+    Eigen::Ref<Matrix<T>> s = scratch.s.leftCols(cols);
+    s.noalias() = scratch.q_scaled.lazyProduct(K.middleRows(j0, cols).transpose());
+    apply_softcap<T>(options, s);
+    for (Index r = 0; r < g; ++r) {  // the online softmax of step 2 above
+      Eigen::Ref<RowVector<T>> s_r = s.row(r);
+      const T m_new = std::max(scratch.m(r), s_r.maxCoeff());
+      if (m_new == neg_inf) {
+        s_r.setZero();
+        continue;
+      }
+      const T alpha = std::exp(scratch.m(r) - m_new);
+      scratch.l(r) = alpha * scratch.l(r) + exp_shifted_inplace<T>(s_r, m_new);
+      if (alpha != T(1)) scratch.o.row(r) *= alpha;
+      scratch.m(r) = m_new;
+    }
+    scratch.o.noalias() += s.lazyProduct(V.middleRows(j0, cols));
+  }
+  for (Index r = 0; r < g; ++r) {
+    const T l = scratch.l(r);
+    o.row(r) = scratch.o.row(r) * (l > T(0) ? T(1) / l : T(0));
+  }
+}
+
+}  // namespace detail
+}  // namespace attn

@@ -1,0 +1,186 @@
+#pragma once
+/// \file detail/score_tiles.hpp
+/// The register-tiled kernel behind `attn::scores`: S = scale * Q K^T for row-major Q, K, S.
+///
+/// Why not Eigen's GEMM: for attention's shapes (d_k = 64 or 128, n and m in the thousands) Eigen
+/// zero-fills S, re-packs K for every block of queries and writes S through the cache; it ran at
+/// 0.83x NumPy + OpenBLAS here (bench/compare_peers.py). This kernel packs K once, keeps a
+/// `rows x cols` tile of S in registers over the whole d_k sum, multiplies by the scale in the
+/// register, writes each tile once, and bypasses the cache with streaming stores when S is too
+/// large to stay in it.
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+
+#include "../threads.hpp"
+#include "../types.hpp"
+
+namespace attn {
+namespace detail {
+
+/// Register tile of the score kernel for scalar T on the SIMD set Eigen was compiled for: `rows`
+/// queries x `cols` keys (two packets), `rows * 2` accumulators. 12 x 2 packets uses 24 of the 32
+/// AVX-512 registers; 6 x 2 uses 12 of 16 elsewhere (the rest hold the key packets and a
+/// broadcast).
+template <class T>
+struct ScoreTile {
+  using Packet = typename Eigen::internal::packet_traits<T>::type;
+  static constexpr Index lanes = Eigen::internal::unpacket_traits<Packet>::size;
+  static constexpr std::size_t packets = 2;
+  static constexpr Index rows = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 12 : 6;
+  static constexpr Index cols = Index(packets) * lanes;
+};
+
+/// Streaming (non-temporal) store of one packet to an address aligned to the packet's size; the
+/// generic version is an ordinary aligned store.
+template <class T, class Packet>
+EIGEN_STRONG_INLINE void stream_packet(T* to, const Packet& value) {
+  Eigen::internal::pstore(to, value);
+}
+#if defined(EIGEN_VECTORIZE_SSE2)
+EIGEN_STRONG_INLINE void stream_packet(float* to, const __m128& value) { _mm_stream_ps(to, value); }
+EIGEN_STRONG_INLINE void stream_packet(double* to, const __m128d& value) {
+  _mm_stream_pd(to, value);
+}
+#endif
+#if defined(EIGEN_VECTORIZE_AVX)
+EIGEN_STRONG_INLINE void stream_packet(float* to, const __m256& value) {
+  _mm256_stream_ps(to, value);
+}
+EIGEN_STRONG_INLINE void stream_packet(double* to, const __m256d& value) {
+  _mm256_stream_pd(to, value);
+}
+#endif
+#if defined(EIGEN_VECTORIZE_AVX512)
+EIGEN_STRONG_INLINE void stream_packet(float* to, const __m512& value) {
+  _mm512_stream_ps(to, value);
+}
+EIGEN_STRONG_INLINE void stream_packet(double* to, const __m512d& value) {
+  _mm512_stream_pd(to, value);
+}
+#endif
+
+/// Orders this thread's streaming stores before whatever follows (they are weakly ordered).
+inline void stream_fence() {
+#if defined(EIGEN_VECTORIZE_SSE2)
+  _mm_sfence();
+#endif
+}
+
+/// K packed for the kernel: panel p holds keys [p cols, (p + 1) cols) transposed, d_k rows of
+/// `cols` scalars each (`panel[c * cols + jj] = K(p cols + jj, c)`), zero past the last key.
+template <class T>
+void pack_key_panels(ConstRef<T> K, T* packed) {
+  constexpr Index cols = ScoreTile<T>::cols;
+  const Index m = K.rows();
+  const Index d = K.cols();
+  for (Index j0 = 0; j0 < m; j0 += cols) {
+    const Index width = std::min(cols, m - j0);
+    for (Index c = 0; c < d; ++c, packed += cols) {
+      for (Index jj = 0; jj < width; ++jj) packed[jj] = K(j0 + jj, c);
+      for (Index jj = width; jj < cols; ++jj) packed[jj] = T(0);
+    }
+  }
+}
+
+/// One register tile: S[r, 0:width) = scale * sum_c Q[r, c] * panel[c, 0:width) for `Rows` query
+/// rows. Shape contract: q points at Q(i, 0) with row stride q_stride; panel is one packed key
+/// panel of d rows; s points at S(i, j0) with row stride s_stride; 0 < width <= cols. Each score is
+/// one accumulator summed over c in order, so its bits do not depend on tiling or threads.
+template <class T, std::size_t... r>
+EIGEN_STRONG_INLINE void score_tile(std::index_sequence<r...>, const T* q, Index q_stride,
+                                    const T* panel, Index d, T scale, T* s, Index s_stride,
+                                    Index width, bool stream) {
+  using Tile = ScoreTile<T>;
+  using Packet = typename Tile::Packet;
+  constexpr std::size_t rows = sizeof...(r);
+  constexpr std::size_t packets = Tile::packets;
+  constexpr Index lanes = Tile::lanes;
+  using Eigen::internal::pload;
+  using Eigen::internal::pmadd;
+  using Eigen::internal::pmul;
+  using Eigen::internal::pset1;
+  using Eigen::internal::pstoreu;
+
+  // 1. Accumulate over the d_k features: `packets` key packets, one broadcast query value per row.
+  Packet acc[rows][packets];
+  for (std::size_t p = 0; p < packets; ++p) ((acc[r][p] = pset1<Packet>(T(0))), ...);
+  for (Index c = 0; c < d; ++c, panel += Tile::cols) {
+    Packet k[packets];
+    for (std::size_t p = 0; p < packets; ++p) k[p] = pload<Packet>(panel + Index(p) * lanes);
+    const auto row = [&](Packet(&acc_r)[packets], const Packet& q_rc) {
+      for (std::size_t p = 0; p < packets; ++p) acc_r[p] = pmadd(q_rc, k[p], acc_r[p]);
+    };
+    (row(acc[r], pset1<Packet>(q[Index(r) * q_stride + c])), ...);
+  }
+
+  // 2. Scale in the registers and write the tile once.
+  const Packet scale_p = pset1<Packet>(scale);
+  const auto store = [&](T* to, Packet(&acc_r)[packets]) {
+    if (width == Tile::cols && stream) {
+      for (std::size_t p = 0; p < packets; ++p) {
+        stream_packet(to + Index(p) * lanes, pmul(acc_r[p], scale_p));
+      }
+    } else if (width == Tile::cols) {
+      for (std::size_t p = 0; p < packets; ++p) {
+        pstoreu(to + Index(p) * lanes, pmul(acc_r[p], scale_p));
+      }
+    } else {  // the last, partial panel
+      EIGEN_ALIGN_MAX T tile_row[Tile::cols];
+      for (std::size_t p = 0; p < packets; ++p) {
+        pstoreu(tile_row + Index(p) * lanes, pmul(acc_r[p], scale_p));
+      }
+      std::copy(tile_row, tile_row + width, to);
+    }
+  };
+  (store(s + Index(r) * s_stride, acc[r]), ...);
+}
+
+/// S = scale * Q K^T with K already packed (pack_key_panels). Shape contract: Q n x d, S n x m
+/// row-major; `packed` holds ceil(m / cols) panels of d x cols.
+/// Pass 1 splits the queries into blocks of 8 register tiles, in parallel (`parallel_for`); pass 2,
+/// per block, walks the key panels (one panel stays in L1 while every tile of the block uses it);
+/// pass 3, per panel, runs the register tiles down the block, with 6/3/1-row tiles for the rest.
+template <class T>
+void score_tiles(ConstRef<T> Q, const T* packed, T scale, Matrix<T>& S) {
+  using Tile = ScoreTile<T>;
+  constexpr Index rows = Tile::rows;
+  constexpr Index cols = Tile::cols;
+  constexpr Index block_rows = 8 * rows;
+  const Index n = S.rows();
+  const Index m = S.cols();
+  const Index d = Q.cols();
+  const Index q_stride = Q.outerStride();
+  const Index s_stride = S.outerStride();
+  // Streaming stores skip the cache: worth it when S is too large for the caches, and possible when
+  // every row of S starts aligned to a packet.
+  constexpr Index packet_bytes = Tile::lanes * Index(sizeof(T));
+  const bool stream = n * m * Index(sizeof(T)) >= (Index(8) << 20) &&
+                      reinterpret_cast<std::uintptr_t>(S.data()) % packet_bytes == 0 &&
+                      (s_stride * Index(sizeof(T))) % packet_bytes == 0;
+  const Index blocks = (n + block_rows - 1) / block_rows;
+  parallel_for<int>(blocks, [&](Index b, int&) {
+    const Index i_begin = b * block_rows;
+    const Index i_end = std::min(n, i_begin + block_rows);
+    for (Index j0 = 0; j0 < m; j0 += cols) {
+      const T* panel = packed + (j0 / cols) * d * cols;
+      const Index width = std::min(cols, m - j0);
+      const auto tiles = [&](Index& i, auto tile_rows) {
+        for (; i + Index(tile_rows.size()) <= i_end; i += Index(tile_rows.size())) {
+          score_tile<T>(tile_rows, Q.data() + i * q_stride, q_stride, panel, d, scale,
+                        S.data() + i * s_stride + j0, s_stride, width, stream);
+        }
+      };
+      Index i = i_begin;
+      tiles(i, std::make_index_sequence<std::size_t(rows)>());
+      tiles(i, std::make_index_sequence<std::size_t(rows / 2)>());
+      tiles(i, std::make_index_sequence<std::size_t(rows / 4)>());
+      tiles(i, std::make_index_sequence<1>());
+    }
+    if (stream) stream_fence();
+  });
+}
+
+}  // namespace detail
+}  // namespace attn
