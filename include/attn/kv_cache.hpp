@@ -4,7 +4,8 @@
 /// computes attention for its new queries only. Grouped-query storage (each key/value head once),
 /// an optional sliding window kept in a ring buffer (memory bounded by the window), optional
 /// "attention sink" tokens kept forever (StreamingLLM, Xiao et al. 2023), and rotary position
-/// embedding applied with each row's absolute position.
+/// embedding (with its linear, NTK-aware or YaRN scaling) applied with each row's absolute
+/// position.
 
 #include <algorithm>
 #include <cmath>
@@ -85,7 +86,8 @@ struct KVCacheConfig {
                                   ///< (StreamingLLM); ignored without a window (all rows stay)
   std::optional<RopeStyle> rope;  ///< set: keys are rotated at append, queries at attend, each for
                                   ///< its absolute position
-  RopeOptions<T> rope_options;    ///< base, rotary_dim, linear_scale, ntk_scale of that rotation
+  RopeOptions<T> rope_options;    ///< base, rotary_dim, linear_scale, ntk_scale or YaRN of that
+                                  ///< rotation (YaRN's attention factor scales keys and queries)
 };
 
 /// Keys and values of a growing sequence, for autoregressive decoding.
@@ -127,7 +129,7 @@ class KVCache {
     }
     if (!config_.window) config_.sink_tokens = 0;
     if (config_.rope) {
-      frequencies_ = detail::rope_frequencies(function, config_.d_k, config_.rope_options);
+      rope_table_ = detail::rope_table(function, config_.d_k, config_.rope_options);
     }
     clear();
   }
@@ -219,7 +221,7 @@ class KVCache {
     if (config_.rope) {
       Matrix<T> rotated = Q_new;
       detail::rope_kernel<T>(rotated, config_.d_k, total_ - rotated.rows(), *config_.rope,
-                             frequencies_, static_cast<double>(config_.rope_options.linear_scale));
+                             rope_table_);
       attend_rows(rotated, heads, options, out);
     } else {
       attend_rows(Q_new, heads, options, out);
@@ -341,8 +343,7 @@ class KVCache {
     if (r == 0) return;
     Matrix<T> K_rows = K_new;
     if (config_.rope) {
-      detail::rope_kernel<T>(K_rows, config_.d_k, total_, *config_.rope, frequencies_,
-                             static_cast<double>(config_.rope_options.linear_scale));
+      detail::rope_kernel<T>(K_rows, config_.d_k, total_, *config_.rope, rope_table_);
     }
     // Room: a ring of w + r rows lets the r new queries see their whole windows.
     const Index recent_after = std::max<Index>(total_ + r - config_.sink_tokens, 0);
@@ -549,7 +550,7 @@ class KVCache {
   }
 
   KVCacheConfig<T> config_;
-  std::vector<double> frequencies_;         ///< RoPE frequencies (empty without RoPE)
+  detail::RopeTable rope_table_;            ///< RoPE frequencies and YaRN factor (unused without)
   std::vector<Matrix<T>> K_, V_;            ///< per key/value head: ring (2 R rows) or linear rows
   std::vector<Matrix<T>> sink_K_, sink_V_;  ///< per key/value head: sink_tokens rows
   Index ring_ = 0;                          ///< R, the ring's length (with a window)
