@@ -8,7 +8,10 @@
 /// - RoPE applied at append equals RoPE applied to the whole sequence (GQA, window, sinks);
 /// - grouped-query storage: the stacked decoding path and the tensor calls equal per-head
 /// attention;
-/// - shape errors.
+/// - per-query-head ALiBi slopes and sinks (`MultiHeadOptions`) equal single-head
+///   `scaled_dot_product_attention` with that head's values (windows, sink tokens, RoPE), and
+///   equal per-head values equal the shared ones;
+/// - shape errors, also of the per-head values.
 
 #include <gtest/gtest.h>
 
@@ -16,6 +19,7 @@
 #include <cstddef>
 #include <functional>
 #include <initializer_list>
+#include <limits>
 #include <optional>
 #include <random>
 #include <string>
@@ -56,10 +60,11 @@ LMatrix full_attention(const attn::Matrix<T>& Q, const attn::Matrix<T>& K, const
 }
 
 /// Feeds the rows of K and V (and Q) to `cache` in chunks; returns the stacked outputs.
-template <class T>
+/// `options`: `AttentionOptions` (shared by the heads) or `MultiHeadOptions` (per-head values).
+template <class T, class Options = attn::AttentionOptions<T>>
 attn::Matrix<T> decode(KVCache<T>& cache, const attn::Matrix<T>& Q, const attn::Matrix<T>& K,
                        const attn::Matrix<T>& V, const std::vector<Index>& chunks,
-                       const attn::AttentionOptions<T>& options = {}, Index d_out = 0) {
+                       const Options& options = {}, Index d_out = 0) {
   attn::Matrix<T> out(Q.rows(), d_out > 0 ? d_out : V.cols());
   Index t = 0;
   for (std::size_t c = 0; t < Q.rows(); ++c) {
@@ -331,9 +336,168 @@ TYPED_TEST(KVCacheTest, VectorisedDecodingEqualsPerHeadAttention) {
             attn::Matrix<T>(V.middleCols(kv * d, d)), visible(n, window), options);
         EXPECT_TRUE(attn_test::near_t<T>(out.middleCols(h * d, d), expected))
             << "head " << h << " of " << heads << (window ? ", windowed" : "");
+
+TYPED_TEST(KVCacheTest, PerHeadSlopesAndSinksEqualPerHeadAttention) {
+  using T = TypeParam;
+  std::mt19937 rng(8);
+  const Index n = 23;
+  const Index heads = 4;
+  const Index kv_heads = 2;
+  const Index d = 8;
+  const Index d_v = 5;
+  const attn::Matrix<T> Q = attn_test::random_matrix<T>(n, heads * d, rng);
+  const attn::Matrix<T> K = attn_test::random_matrix<T>(n, kv_heads * d, rng);
+  const attn::Matrix<T> V = attn_test::random_matrix<T>(n, kv_heads * d_v, rng);
+  attn::MultiHeadOptions<T> options;
+  options.alibi_slopes = std::vector<T>{T(0.5), T(0.125), T(0), T(1)};
+  options.sinks = std::vector<T>{T(0.5), T(-1), T(2), -std::numeric_limits<T>::infinity()};
+  options.softcap = T(4);  // a shared option beside the per-head ones
+  struct Setting {
+    std::optional<Index> window;
+    Index sink_tokens;
+    std::optional<RopeStyle> rope;
+  };
+  const Setting settings[] = {{std::nullopt, 0, std::nullopt},
+                              {5, 0, std::nullopt},
+                              {5, 2, std::nullopt},
+                              {4, 1, RopeStyle::Half}};
+  for (const Setting& setting : settings) {
+    KVCacheConfig<T> config;
+    config.d_k = d;
+    config.d_v = d_v;
+    config.kv_heads = kv_heads;
+    config.window = setting.window;
+    config.sink_tokens = setting.sink_tokens;
+    config.rope = setting.rope;
+    const std::string where = std::string(setting.window ? "window" : "no window") + ", " +
+                              std::to_string(setting.sink_tokens) + " sink tokens" +
+                              (setting.rope ? ", RoPE" : "");
+    for (const std::vector<Index>& chunks :
+         {std::vector<Index>{1}, std::vector<Index>{4, 1, 7, 3}}) {
+      KVCache<T> cache(config);
+      const attn::Matrix<T> out = decode(cache, Q, K, V, chunks, options, heads * d_v);
+      for (Index h = 0; h < heads; ++h) {
+        const Index kv = h / 2;
+        attn::Matrix<T> Q_h = Q.middleCols(h * d, d);
+        attn::Matrix<T> K_kv = K.middleCols(kv * d, d);
+        const attn::Matrix<T> V_kv = V.middleCols(kv * d_v, d_v);
+        if (setting.rope) {
+          Q_h = attn::rope(Q_h, 0, *setting.rope);
+          K_kv = attn::rope(K_kv, 0, *setting.rope);
+        }
+        // Head h alone: its slope and sink, and the cache's visibility as options (causal and
+        // window) or, with sink tokens, as a mask.
+        attn::AttentionOptions<T> single;
+        single.softcap = options.softcap;
+        single.alibi_slope = (*options.alibi_slopes)[static_cast<std::size_t>(h)];
+        single.sink = (*options.sinks)[static_cast<std::size_t>(h)];
+        if (setting.sink_tokens == 0) {
+          single.causal = Causal::BottomRight;
+          single.window = setting.window;
+        } else {
+          single.mask = visible(n, setting.window, setting.sink_tokens);
+        }
+        const attn::Matrix<T> library = attn::scaled_dot_product_attention(Q_h, K_kv, V_kv, single);
+        const LMatrix naive = attn_test::naive_attention<T>(Q_h, K_kv, V_kv, single).output;
+        EXPECT_TRUE(attn_test::near_t<T>(out.middleCols(h * d_v, d_v), library))
+            << "head " << h << ", " << where << ", first chunk " << chunks[0];
+        EXPECT_TRUE(attn_test::near_t<T>(out.middleCols(h * d_v, d_v), naive))
+            << "head " << h << ", " << where << ", first chunk " << chunks[0];
+      }
+      // The last query again, through the three entry points: the same call, the same bits.
+      const attn::Matrix<T> last = cache.attend(Q.bottomRows(1), options);
+      EXPECT_TRUE(attn_test::near_t<T>(last, out.bottomRows(1))) << where;
+      attn::Matrix<T> into;
+      cache.attend(Q.bottomRows(1), options, into);
+      EXPECT_TRUE(attn_test::identical(into, last)) << where;
+      attn::Tensor3<T> Q_t(heads, 1, d);
+      for (Index h = 0; h < heads; ++h) attn::detail::slice(Q_t, h) = Q.block(n - 1, h * d, 1, d);
+      const attn::Tensor3<T> last_t = cache.attend_heads(Q_t, options);
+      for (Index h = 0; h < heads; ++h) {
+        EXPECT_TRUE(attn_test::identical(attn::Matrix<T>(attn::detail::slice(last_t, h)),
+                                         attn::Matrix<T>(last.middleCols(h * d_v, d_v))))
+            << "head " << h << ", " << where;
       }
     }
   }
+}
+
+TYPED_TEST(KVCacheTest, EqualPerHeadValuesEqualTheSharedOnes) {
+  using T = TypeParam;
+  std::mt19937 rng(9);
+  const Index n = 12;
+  const attn::Matrix<T> Q = attn_test::random_matrix<T>(n, 3 * 8, rng);
+  const attn::Matrix<T> K = attn_test::random_matrix<T>(n, 8, rng);
+  const attn::Matrix<T> V = attn_test::random_matrix<T>(n, 4, rng);
+  KVCacheConfig<T> config;
+  config.d_k = 8;
+  config.d_v = 4;
+  attn::AttentionOptions<T> shared;  // one query, a sink, no ALiBi: the stacked decoding kernel
+  shared.sink = T(0.75);
+  attn::MultiHeadOptions<T> per_head;  // the per-head kernel path, with the same values
+  per_head.sinks = std::vector<T>(3, T(0.75));
+  KVCache<T> a(config);
+  KVCache<T> b(config);
+  EXPECT_TRUE(attn_test::near_t<T>(decode(b, Q, K, V, {1}, per_head, 12),
+                                   decode(a, Q, K, V, {1}, shared, 12)));
+  shared.alibi_slope = T(0.25);
+  per_head.alibi_slopes = std::vector<T>(3, T(0.25));
+  KVCache<T> c(config);
+  KVCache<T> e(config);
+  EXPECT_TRUE(attn_test::near_t<T>(decode(e, Q, K, V, {2, 3}, per_head, 12),
+                                   decode(c, Q, K, V, {2, 3}, shared, 12)));
+}
+
+TEST(KVCacheErrors, PerHeadSlopesAndSinks) {
+  KVCacheConfig<float> config;
+  config.d_k = 4;
+  config.d_v = 3;
+  config.kv_heads = 2;
+  KVCache<float> cache(config);
+  cache.append(attn::Matrix<float>::Zero(3, 8), attn::Matrix<float>::Zero(3, 6));
+  const attn::Matrix<float> q = attn::Matrix<float>::Zero(1, 16);  // 4 query heads
+  attn::MultiHeadOptions<float> options;
+  const auto attend = [&] { cache.attend(q, options); };
+  options.alibi_slopes = std::vector<float>(3, 0.5f);
+  expect_shape_error(attend, {"KVCache::attend", "alibi_slopes has 3 entries", "4 query heads"});
+  options.alibi_slopes = std::vector<float>(5, 0.5f);
+  expect_shape_error(attend, {"alibi_slopes has 5 entries", "4 query heads"});
+  options.alibi_slopes.reset();
+  options.sinks = std::vector<float>(2, 0.0f);
+  expect_shape_error(attend, {"KVCache::attend", "sinks has 2 entries", "4 query heads"});
+  attn::Tensor3<float> Q_t(4, 1, 4);
+  Q_t.setZero();
+  expect_shape_error([&] { cache.attend_heads(Q_t, options); },
+                     {"sinks has 2 entries", "4 query heads"});
+  options.sinks.reset();
+  for (const float bad :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+        -std::numeric_limits<float>::infinity()}) {
+    options.alibi_slopes = std::vector<float>{0.5f, bad, 0.5f, 0.5f};
+    expect_shape_error(attend, {"KVCache::attend", "alibi_slopes holds", "slopes must be finite"});
+  }
+  options.alibi_slopes.reset();
+  for (const float bad :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    options.sinks = std::vector<float>{0.0f, 0.0f, 0.0f, bad};
+    expect_shape_error(attend, {"sinks holds", "sinks must be numbers below +inf"});
+  }
+  options.sinks = std::vector<float>(4, 0.0f);
+  options.sink = 1.0f;
+  expect_shape_error(attend, {"KVCache::attend", "set sinks or sink, not both"});
+  options.sinks.reset();
+  options.sink.reset();
+  options.alibi_slopes = std::vector<float>(4, 0.5f);
+  options.alibi_slope = 0.5f;
+  expect_shape_error(attend, {"set alibi_slopes or alibi_slope, not both"});
+  options.alibi_slope.reset();
+  options.key_valid = Mask::Constant(1, 3, true);
+  expect_shape_error(attend, {"KVCache::attend", "key_valid", "1 x 3"});
+  options.key_valid.reset();
+  options.need_weights = true;
+  expect_shape_error(attend, {"need_weights"});
+  options.need_weights = false;
+  cache.attend(q, options);  // valid again
 }
 
 TEST(KVCacheErrors, ShapesAndPositions) {

@@ -3,8 +3,9 @@
 /// `KVCache`: the keys and values of the tokens generated so far, so that each decoding step
 /// computes attention for its new queries only. Grouped-query storage (each key/value head once),
 /// an optional sliding window kept in a ring buffer (memory bounded by the window), optional
-/// "attention sink" tokens kept forever (StreamingLLM, Xiao et al. 2023), and rotary position
-/// embedding applied with each row's absolute position.
+/// "attention sink" tokens kept forever (StreamingLLM, Xiao et al. 2023), rotary position
+/// embedding (with its linear, NTK-aware or YaRN scaling) applied with each row's absolute
+/// position, and per-query-head ALiBi slopes and sink logits.
 
 #include <algorithm>
 #include <cmath>
@@ -16,6 +17,7 @@
 #include "detail/decode.hpp"
 #include "error.hpp"
 #include "flash.hpp"
+#include "multi_head.hpp"
 #include "positional.hpp"
 #include "tensor.hpp"
 #include "threads.hpp"
@@ -35,7 +37,8 @@ struct KVCacheConfig {
                                   ///< (StreamingLLM); ignored without a window (all rows stay)
   std::optional<RopeStyle> rope;  ///< set: keys are rotated at append, queries at attend, each for
                                   ///< its absolute position
-  RopeOptions<T> rope_options;    ///< base, rotary_dim, linear_scale, ntk_scale of that rotation
+  RopeOptions<T> rope_options;    ///< base, rotary_dim, linear_scale, ntk_scale or YaRN of that
+                                  ///< rotation (YaRN's attention factor scales keys and queries)
 };
 
 /// Keys and values of a growing sequence, for autoregressive decoding.
@@ -77,7 +80,7 @@ class KVCache {
     }
     if (!config_.window) config_.sink_tokens = 0;
     if (config_.rope) {
-      frequencies_ = detail::rope_frequencies(function, config_.d_k, config_.rope_options);
+      rope_table_ = detail::rope_table(function, config_.d_k, config_.rope_options);
     }
     clear();
   }
@@ -141,7 +144,8 @@ class KVCache {
   ///                 the cache applies RoPE; n <= position()
   /// \param options  scale, softcap, ALiBi, sink, mask and bias (n x size(), columns in the order
   ///                 of `key_positions()`), an extra window; `causal` must be None or BottomRight
-  ///                 (attend is always bottom-right causal)
+  ///                 (attend is always bottom-right causal). One slope and sink for every head;
+  ///                 per-head ones: the `MultiHeadOptions` overload below
   /// \returns n x (heads d_v): each query head's output in its columns.
   /// \throws shape_error on mismatched shapes or options, or when the window needs keys the cache
   ///         has already dropped (more queries than the rows of the last append).
@@ -165,31 +169,60 @@ class KVCache {
     static_assert(std::is_same_v<typename DQ::Scalar, T>,
                   "Q_new must have the cache's scalar type");
     const Index heads = check_queries("KVCache::attend", Q_new, options);
-    out.resize(Q_new.rows(), heads * config_.d_v);
-    if (config_.rope) {
-      Matrix<T> rotated = Q_new;
-      detail::rope_kernel<T>(rotated, config_.d_k, total_ - rotated.rows(), *config_.rope,
-                             frequencies_, static_cast<double>(config_.rope_options.linear_scale));
-      attend_rows(rotated, heads, options, out);
-    } else {
-      attend_rows(Q_new, heads, options, out);
+    attend_checked(Q_new, heads, options, nullptr, out);
+  }
+
+  /// `attend` with one ALiBi slope and one sink logit per query head: query head h uses
+  /// `options.alibi_slopes[h]` and `options.sinks[h]` where those are set (each instead of the
+  /// shared `alibi_slope` / `sink`, never together with it); everything else as `attend` (bottom-
+  /// right causal alignment, windows, sink tokens, RoPE, and the other `AttentionOptions`).
+  /// \param Q_new    n x (heads d_k), as in `attend`
+  /// \param options  the `AttentionOptions` of `attend`, plus `alibi_slopes` and `sinks` (each
+  ///                 unset, or `heads` values: finite slopes, sinks below +infinity); `key_valid`
+  ///                 and `need_weights` must stay unset / false (use `mask`; no weights are
+  ///                 returned)
+  /// \returns n x (heads d_v)
+  /// \throws shape_error as `attend`, or if a per-head list does not have one value per query head
+  ///         (the message gives both counts), holds a non-finite slope or a +infinity / NaN sink,
+  ///         or is set together with the shared value of its kind, or on key_valid / need_weights.
+  /// \note With per-head values every query head goes through the kernels of
+  ///       `scaled_dot_product_attention` (never the stacked one-query decoding kernel); each
+  ///       thread copies the options once (mask and bias included).
+  template <class DQ>
+  Matrix<T> attend(const Eigen::MatrixBase<DQ>& Q_new, const MultiHeadOptions<T>& options) const {
+    Matrix<T> out;
+    attend(Q_new, options, out);
+    return out;
+  }
+
+  /// `attend` with per-head slopes and sinks, into caller storage. \param out resized to
+  /// n x (heads d_v)
+  template <class DQ>
+  void attend(const Eigen::MatrixBase<DQ>& Q_new, const MultiHeadOptions<T>& options,
+              Matrix<T>& out) const {
+    static_assert(std::is_same_v<typename DQ::Scalar, T>,
+                  "Q_new must have the cache's scalar type");
+    const char* function = "KVCache::attend";
+    const Index heads = check_queries(function, Q_new, options);
+    detail::check_head_values(function, options, heads);
+    if (options.key_valid) {
+      detail::fail(function, "key_valid (", detail::shape_of(*options.key_valid),
+                   ") is not used by the cache: pass padding as `mask` (n x size())");
     }
+    if (options.need_weights) {
+      detail::fail(function, "need_weights: the cache returns no attention weights");
+    }
+    attend_checked(Q_new, heads, options, &options, out);
   }
 
   /// `attend` on heads. \param Q_new (heads, n, d_k) \returns (heads, n, d_v)
   Tensor3<T> attend_heads(const Tensor3<T>& Q_new, const AttentionOptions<T>& options = {}) const {
-    const Index heads = Q_new.dimension(0);
-    const Index n = Q_new.dimension(1);
-    if (Q_new.dimension(2) != config_.d_k) {
-      detail::fail("KVCache::attend_heads", "Q_new is ", detail::dims_of(Q_new),
-                   " but the cache's heads have d_k = ", config_.d_k);
-    }
-    const Matrix<T> out = attend(side_by_side(Q_new), options);
-    Tensor3<T> result(heads, n, config_.d_v);
-    for (Index h = 0; h < heads; ++h) {
-      detail::slice(result, h) = out.middleCols(h * config_.d_v, config_.d_v);
-    }
-    return result;
+    return attend_heads_as(Q_new, options);
+  }
+  /// `attend` with per-head slopes and sinks, on heads. \param Q_new (heads, n, d_k)
+  /// \returns (heads, n, d_v)
+  Tensor3<T> attend_heads(const Tensor3<T>& Q_new, const MultiHeadOptions<T>& options) const {
+    return attend_heads_as(Q_new, options);
   }
 
   /// The kept keys of one key/value head, in the column order of `attend` (rotated with RoPE).
@@ -234,6 +267,23 @@ class KVCache {
     out.topRows(sinks_held()) = sinks[h].topRows(sinks_held());
     out.bottomRows(recent_held()) = recent[h].middleRows(recent_start(), recent_held());
     return out;
+  }
+
+  /// (heads, n, d_k) -> `attend(Q_new, options)` -> (heads, n, d_v).
+  template <class Options>
+  Tensor3<T> attend_heads_as(const Tensor3<T>& Q_new, const Options& options) const {
+    const Index heads = Q_new.dimension(0);
+    const Index n = Q_new.dimension(1);
+    if (Q_new.dimension(2) != config_.d_k) {
+      detail::fail("KVCache::attend_heads", "Q_new is ", detail::dims_of(Q_new),
+                   " but the cache's heads have d_k = ", config_.d_k);
+    }
+    const Matrix<T> out = attend(side_by_side(Q_new), options);
+    Tensor3<T> result(heads, n, config_.d_v);
+    for (Index h = 0; h < heads; ++h) {
+      detail::slice(result, h) = out.middleCols(h * config_.d_v, config_.d_v);
+    }
+    return result;
   }
 
   template <class M>
@@ -291,8 +341,7 @@ class KVCache {
     if (r == 0) return;
     Matrix<T> K_rows = K_new;
     if (config_.rope) {
-      detail::rope_kernel<T>(K_rows, config_.d_k, total_, *config_.rope, frequencies_,
-                             static_cast<double>(config_.rope_options.linear_scale));
+      detail::rope_kernel<T>(K_rows, config_.d_k, total_, *config_.rope, rope_table_);
     }
     // Room: a ring of w + r rows lets the r new queries see their whole windows.
     const Index recent_after = std::max<Index>(total_ + r - config_.sink_tokens, 0);
@@ -320,6 +369,22 @@ class KVCache {
   }
 
   // --- Attention ------------------------------------------------------------------------------
+
+  /// Rotates the queries (with RoPE) and runs `attend_rows`; every argument is checked.
+  template <class DQ>
+  void attend_checked(const Eigen::MatrixBase<DQ>& Q_new, Index heads,
+                      const AttentionOptions<T>& options, const MultiHeadOptions<T>* per_head,
+                      Matrix<T>& out) const {
+    out.resize(Q_new.rows(), heads * config_.d_v);
+    if (config_.rope) {
+      Matrix<T> rotated = Q_new;
+      detail::rope_kernel<T>(rotated, config_.d_k, total_ - rotated.rows(), *config_.rope,
+                             rope_table_);
+      attend_rows(rotated, heads, options, per_head, out);
+    } else {
+      attend_rows(Q_new, heads, options, per_head, out);
+    }
+  }
 
   /// The window a query sees: the cache's and the call's, whichever is narrower.
   std::optional<Index> effective_window(const AttentionOptions<T>& options) const {
@@ -375,13 +440,17 @@ class KVCache {
 
   /// Scratch of one thread of the merged (sinks + ring) path.
   struct MergeScratch {
-    Matrix<T> P;
     Matrix<T> o_sinks, o_recent;
     Vector<T> lse_sinks, lse_recent;
+    AttentionOptions<T> sink_block;  ///< per-head slopes: the sink block with head h's ALiBi
+    AttentionOptions<T> ring_block;  ///< per-head slopes: the ring block with head h's slope
+    bool ring_ready = false;         ///< ring_block holds this call's ring block
   };
 
+  /// `options` for every query head, or (when `per_head` sets `alibi_slopes` or `sinks`) with query
+  /// head h's slope and sink in place of the shared ones.
   void attend_rows(detail::ConstRef<T> Q, Index heads, const AttentionOptions<T>& options,
-                   Matrix<T>& out) const {
+                   const MultiHeadOptions<T>* per_head, Matrix<T>& out) const {
     const Index n = Q.rows();
     if (n == 0) return;
     const Index d_k = config_.d_k;
@@ -397,11 +466,17 @@ class KVCache {
     const auto recent_V = [&](Index kv) {
       return V_[static_cast<std::size_t>(kv)].middleRows(start, recent);
     };
+    const std::vector<T>* head_slopes =
+        per_head && per_head->alibi_slopes ? &*per_head->alibi_slopes : nullptr;
+    const std::vector<T>* head_sinks = per_head && per_head->sinks ? &*per_head->sinks : nullptr;
+    const bool head_values = head_slopes || head_sinks;
 
     // 1. One query, no per-key tables, no sinks (the decoding hot path): every kept key up to the
     //    window is visible, so the group's query heads (adjacent in the row) are stacked into one
-    //    group x d_k matrix and each key/value head is streamed once (`decode_kernel`).
-    if (n == 1 && sinks == 0 && !options.mask && !options.bias && !options.alibi_slope) {
+    //    group x d_k matrix and each key/value head is streamed once (`decode_kernel`). Per-head
+    //    slopes or sinks differ within a group: they take path 2.
+    if (n == 1 && sinks == 0 && !options.mask && !options.bias && !options.alibi_slope &&
+        !head_values) {
       const Index visible = window ? std::min(recent, *window + 1) : recent;
       AttentionOptions<T> plain;
       plain.scale = detail::scale_of(options, d_k);
@@ -419,11 +494,12 @@ class KVCache {
 
     // 2. No sinks kept, or only sinks so far: one contiguous block of keys whose last row is the
     //    newest position, so bottom-right alignment gives each query its causal and window range.
+    //    Per-head slopes and sinks: each thread's copy of the options, with head h's values.
     if (sinks == 0 || recent == 0) {
       AttentionOptions<T> block = options;
       block.causal = Causal::BottomRight;
       block.window = sinks == 0 ? window : std::nullopt;  // sinks stay visible whatever the window
-      detail::parallel_for<Matrix<T>>(heads, [&](Index h, Matrix<T>& P) {
+      detail::parallel_for<detail::HeadScratch<T>>(heads, [&](Index h, detail::HeadScratch<T>& s) {
         const Index kv = h / group;
         const auto h_kv = static_cast<std::size_t>(kv);
         const detail::ConstRef<T> K = sinks == 0
@@ -432,7 +508,9 @@ class KVCache {
         const detail::ConstRef<T> V = sinks == 0
                                           ? detail::ConstRef<T>(recent_V(kv))
                                           : detail::ConstRef<T>(sink_V_[h_kv].topRows(sinks));
-        run_kernel(Q.middleCols(h * d_k, d_k), K, V, block, P, out.middleCols(h * d_v, d_v));
+        const AttentionOptions<T>& head_block =
+            head_values ? detail::head_options(block, *per_head, h, s) : block;
+        run_kernel(Q.middleCols(h * d_k, d_k), K, V, head_block, s.P, out.middleCols(h * d_v, d_v));
       });
       return;
     }
@@ -443,7 +521,16 @@ class KVCache {
     //    Sink block: positions 0 .. sinks-1, visible to query i (position P_i = total - n + i) iff
     //    j <= P_i; ALiBi becomes a bias -slope (P_i - j). Ring block: positions total - recent ..
     //    total - 1, the newest last: bottom-right alignment and the window as usual.
+    //    Per-head slopes: each head adds its own ALiBi bias to a copy of the sink block and sets
+    //    its slope in a (per-thread) copy of the ring block; per-head sinks enter the merge.
     const Index first_query = total_ - n;
+    const auto add_sink_alibi = [&](Matrix<T>& bias, T slope) {
+      for (Index i = 0; i < n; ++i) {
+        for (Index j = 0; j < sinks; ++j) {
+          bias(i, j) -= slope * static_cast<T>(std::abs(first_query + i - j));
+        }
+      }
+    };
     AttentionOptions<T> sink_block;
     sink_block.scale = detail::scale_of(options, d_k);
     sink_block.softcap = options.softcap;
@@ -452,17 +539,10 @@ class KVCache {
       for (Index j = 0; j < sinks; ++j) (*sink_block.mask)(i, j) = j <= first_query + i;
     }
     if (options.mask) *sink_block.mask = *sink_block.mask && options.mask->leftCols(sinks);
-    if (options.bias || options.alibi_slope) {
+    if (options.bias || options.alibi_slope || head_slopes) {
       sink_block.bias = Matrix<T>::Zero(n, sinks);
       if (options.bias) *sink_block.bias += options.bias->leftCols(sinks);
-      if (options.alibi_slope) {
-        for (Index i = 0; i < n; ++i) {
-          for (Index j = 0; j < sinks; ++j) {
-            (*sink_block.bias)(i, j) -=
-                *options.alibi_slope * static_cast<T>(std::abs(first_query + i - j));
-          }
-        }
-      }
+      if (options.alibi_slope) add_sink_alibi(*sink_block.bias, *options.alibi_slope);
     }
     AttentionOptions<T> ring_block = options;
     ring_block.causal = Causal::BottomRight;
@@ -473,13 +553,29 @@ class KVCache {
     detail::parallel_for<MergeScratch>(heads, [&](Index h, MergeScratch& s) {
       const Index kv = h / group;
       const auto h_kv = static_cast<std::size_t>(kv);
+      const auto i_h = static_cast<std::size_t>(h);
       const detail::ConstRef<T> q = Q.middleCols(h * d_k, d_k);
+      const AttentionOptions<T>* sink_options = &sink_block;
+      const AttentionOptions<T>* ring_options = &ring_block;
+      if (head_slopes) {
+        s.sink_block = sink_block;  // n x sinks tables: small
+        add_sink_alibi(*s.sink_block.bias, (*head_slopes)[i_h]);
+        sink_options = &s.sink_block;
+        if (!s.ring_ready) {  // the n x recent tables are copied once per thread
+          s.ring_block = ring_block;
+          s.ring_ready = true;
+        }
+        s.ring_block.alibi_slope = (*head_slopes)[i_h];
+        ring_options = &s.ring_block;
+      }
+      const std::optional<T> sink =
+          head_sinks ? std::optional<T>((*head_sinks)[i_h]) : options.sink;
       s.o_sinks.resize(n, d_v);
       s.o_recent.resize(n, d_v);
       detail::flash_kernel<T>(q, sink_K_[h_kv].topRows(sinks), sink_V_[h_kv].topRows(sinks),
-                              sink_block, FlashTiles{}, s.o_sinks, &s.lse_sinks);
-      detail::flash_kernel<T>(q, recent_K(kv), recent_V(kv), ring_block, FlashTiles{}, s.o_recent,
-                              &s.lse_recent);
+                              *sink_options, FlashTiles{}, s.o_sinks, &s.lse_sinks);
+      detail::flash_kernel<T>(q, recent_K(kv), recent_V(kv), *ring_options, FlashTiles{},
+                              s.o_recent, &s.lse_recent);
       constexpr T neg_inf = -std::numeric_limits<T>::infinity();
       for (Index i = 0; i < n; ++i) {
         const T a = s.lse_sinks(i);
@@ -488,10 +584,10 @@ class KVCache {
           out.row(i).segment(h * d_v, d_v).setZero();
           continue;
         }
-        const T M = std::max({a, b, options.sink ? *options.sink : neg_inf});
+        const T M = std::max({a, b, sink ? *sink : neg_inf});
         const T w_a = std::exp(a - M);
         const T w_b = std::exp(b - M);
-        const T denominator = w_a + w_b + (options.sink ? std::exp(*options.sink - M) : T(0));
+        const T denominator = w_a + w_b + (sink ? std::exp(*sink - M) : T(0));
         out.row(i).segment(h * d_v, d_v) =
             (w_a * s.o_sinks.row(i) + w_b * s.o_recent.row(i)) / denominator;
       }
@@ -499,7 +595,7 @@ class KVCache {
   }
 
   KVCacheConfig<T> config_;
-  std::vector<double> frequencies_;         ///< RoPE frequencies (empty without RoPE)
+  detail::RopeTable rope_table_;            ///< RoPE frequencies and YaRN factor (unused without)
   std::vector<Matrix<T>> K_, V_;            ///< per key/value head: ring (2 R rows) or linear rows
   std::vector<Matrix<T>> sink_K_, sink_V_;  ///< per key/value head: sink_tokens rows
   Index ring_ = 0;                          ///< R, the ring's length (with a window)
