@@ -336,6 +336,10 @@ TYPED_TEST(KVCacheTest, VectorisedDecodingEqualsPerHeadAttention) {
             attn::Matrix<T>(V.middleCols(kv * d, d)), visible(n, window), options);
         EXPECT_TRUE(attn_test::near_t<T>(out.middleCols(h * d, d), expected))
             << "head " << h << " of " << heads << (window ? ", windowed" : "");
+      }
+    }
+  }
+}
 
 TYPED_TEST(KVCacheTest, PerHeadSlopesAndSinksEqualPerHeadAttention) {
   using T = TypeParam;
