@@ -50,6 +50,24 @@ void BM_MultiHeadForward(benchmark::State& state) {
   const Index batch = state.range(1);
   const attn::MultiHeadAttention<T> layer(attn::MultiHeadConfig{kEmbedDim, kHeads}, 1);
   const attn::Tensor3<T> x = random_tensor<T>(batch, tokens, kEmbedDim, 2);
+  attn::MultiHeadWorkspace<T> workspace;  // the hot path: storage reused from call to call
+  attn::MultiHeadResult<T> result;
+  const attn::MultiHeadOptions<T> options;
+  for (auto _ : state) {
+    layer.forward(x, x, x, options, workspace, result);
+    benchmark::DoNotOptimize(result.output.data());
+    benchmark::ClobberMemory();
+  }
+  set_counters(state, batch, tokens);
+}
+
+/// The convenience overload, which allocates its intermediates and result on every call.
+template <class T>
+void BM_MultiHeadForwardAllocating(benchmark::State& state) {
+  const Index tokens = state.range(0);
+  const Index batch = state.range(1);
+  const attn::MultiHeadAttention<T> layer(attn::MultiHeadConfig{kEmbedDim, kHeads}, 1);
+  const attn::Tensor3<T> x = random_tensor<T>(batch, tokens, kEmbedDim, 2);
   for (auto _ : state) {
     attn::MultiHeadResult<T> result = layer.forward(x, x, x);
     benchmark::DoNotOptimize(result.output.data());
@@ -94,6 +112,10 @@ void BM_MultiHeadForwardPerHead(benchmark::State& state) {
 
 BENCHMARK_TEMPLATE(BM_MultiHeadForward, float)
     ->ArgsProduct({{128, 512, 2048}, {1, 8}})
+    ->ArgNames({"T", "B"})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(BM_MultiHeadForwardAllocating, float)
+    ->ArgsProduct({{128, 512}, {1, 8}})
     ->ArgNames({"T", "B"})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(BM_MultiHeadForwardPerHead, float)

@@ -608,6 +608,61 @@ TYPED_TEST(MultiHeadLayer, GroupedQueryLayerEqualsMultiHeadWithRepeatedKeyValueH
 /// A batch item whose keys are all padding attends nothing: zero weights and a zero attention
 /// output (so the layer's output is the output bias), never NaN (PyTorch 1.13 gives NaN here).
 /// The other item is unaffected.
+/// The hot-path overload with a reused workspace and result gives the same bits as the allocating
+/// one, call after call, across shapes, options and PyTorch's extra key rows; a repeated shape
+/// reuses the storage.
+TYPED_TEST(MultiHeadLayer, WorkspaceOverloadEqualsAllocatingOverload) {
+  using T = TypeParam;
+  std::mt19937 rng(12);
+  MultiHeadConfig plain_config{16, 4};
+  MultiHeadConfig extra_config{16, 4};
+  extra_config.add_bias_kv = true;
+  extra_config.add_zero_attn = true;
+  MultiHeadAttention<T> plain(plain_config, 21);
+  MultiHeadAttention<T> extra(extra_config, 22);
+  randomise(plain, rng);
+  randomise(extra, rng);
+  const auto to_matrix = [](const auto& t) {
+    return attn::Matrix<T>(Eigen::Map<const attn::Matrix<T>>(
+        t.data(), t.size() == 0 ? 0 : t.size() / t.dimension(t.NumDimensions - 1),
+        t.size() == 0 ? 0 : t.dimension(t.NumDimensions - 1)));
+  };
+  attn::MultiHeadWorkspace<T> workspace;
+  MultiHeadResult<T> result;
+  for (int call = 0; call < 6; ++call) {
+    SCOPED_TRACE(::testing::Message() << "call " << call);
+    const MultiHeadAttention<T>& layer = call % 3 == 2 ? extra : plain;
+    const Index batch = call < 3 ? 2 : 3;
+    const Index n = call < 3 ? 5 : 7;
+    const Tensor3<T> x = random_tensor<T>(batch, n, 16, rng);
+    MultiHeadOptions<T> options;
+    options.need_weights = call % 3 != 0;
+    options.average_weights = call % 3 == 1;
+    if (call % 3 == 2) {
+      options.causal = attn::Causal::TopLeft;
+      Mask key_valid = Mask::Constant(batch, n, true);
+      key_valid(0, n - 1) = false;
+      options.key_valid = key_valid;
+    }
+    layer.forward(x, x, x, options, workspace, result);
+    const MultiHeadResult<T> expected = layer.forward(x, x, x, options);
+    EXPECT_TRUE(attn_test::identical(to_matrix(result.output), to_matrix(expected.output)));
+    EXPECT_TRUE(attn_test::identical(to_matrix(result.weights), to_matrix(expected.weights)));
+    EXPECT_TRUE(
+        attn_test::identical(to_matrix(result.head_weights), to_matrix(expected.head_weights)));
+    EXPECT_EQ(result.weights.size(), expected.weights.size());
+    EXPECT_EQ(result.head_weights.size(), expected.head_weights.size());
+
+    // The same call again: the same bits, in the same storage.
+    const T* output = result.output.data();
+    const T* projected = workspace.Q.data();
+    layer.forward(x, x, x, options, workspace, result);
+    EXPECT_EQ(result.output.data(), output);
+    EXPECT_EQ(workspace.Q.data(), projected);
+    EXPECT_TRUE(attn_test::identical(to_matrix(result.output), to_matrix(expected.output)));
+  }
+}
+
 TYPED_TEST(MultiHeadLayer, FullyPaddedBatchItemGivesZerosNotNaN) {
   using T = TypeParam;
   std::mt19937 rng(5);

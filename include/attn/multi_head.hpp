@@ -8,11 +8,13 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attention.hpp"
 #include "error.hpp"
 #include "mask.hpp"
+#include "scores.hpp"
 #include "tensor.hpp"
 #include "threads.hpp"
 #include "types.hpp"
@@ -194,6 +196,21 @@ struct MultiHeadResult {
   Tensor4<T> head_weights;  ///< (batch, heads, n, m) when need_weights && !average_weights
 };
 
+/// Working memory of `MultiHeadAttention::forward`, for its hot-path overload: reused by every
+/// call, it reallocates only when a shape grows or changes, so repeated calls of one shape allocate
+/// nothing on this side (the per-thread score tables of the heads aside).
+template <class T>
+struct MultiHeadWorkspace {
+  Matrix<T> Q;                     ///< (batch n, heads head_dim) projected queries
+  Matrix<T> K;                     ///< (batch m, kv_heads head_dim) projected keys
+  Matrix<T> V;                     ///< (batch m, kv_heads head_dim) projected values
+  Matrix<T> concat;                ///< (batch n, heads head_dim) the heads' outputs side by side
+  std::vector<Matrix<T>> K_items;  ///< per batch item, with add_bias_kv / add_zero_attn rows
+  std::vector<Matrix<T>> V_items;  ///< idem for the values
+  std::vector<AttentionOptions<T>> item_options;  ///< per batch item (key padding, extra rows)
+  Tensor4<T> per_head;                            ///< (batch, heads, n, m') weights to average
+};
+
 /// Multi-head attention (Vaswani et al. 2017), in the documents' convention `Q = X W_Q`, with
 /// PyTorch `nn.MultiheadAttention` semantics and weight loading.
 ///
@@ -309,6 +326,22 @@ class MultiHeadAttention {
   MultiHeadResult<T> forward(const Tensor3<T>& query, const Tensor3<T>& key,
                              const Tensor3<T>& value,
                              const MultiHeadOptions<T>& options = {}) const {
+    MultiHeadWorkspace<T> workspace;
+    MultiHeadResult<T> result;
+    forward(query, key, value, options, workspace, result);
+    return result;
+  }
+
+  /// `forward` into caller storage: the hot path. `workspace` and `result` are reused from call to
+  /// call (resized only when a shape changes), which spares the page faults of fresh allocations:
+  /// at (batch 8, 128 tokens, E = 512) they were most of the time of a call.
+  /// \param workspace  working memory, any state (see `MultiHeadWorkspace`)
+  /// \param result     overwritten like the value `forward` returns; fields not asked for are
+  ///                   left empty
+  /// 	hrows shape_error as `forward`.
+  void forward(const Tensor3<T>& query, const Tensor3<T>& key, const Tensor3<T>& value,
+               const MultiHeadOptions<T>& options, MultiHeadWorkspace<T>& workspace,
+               MultiHeadResult<T>& result) const {
     const char* function = "MultiHeadAttention::forward";
     const Index batch = query.dimension(0);
     const Index n = query.dimension(1);
@@ -316,9 +349,10 @@ class MultiHeadAttention {
     check_inputs(function, query, key, value, options);
 
     // 1. Projections: one GEMM per operand over all batch items.
-    const Matrix<T> Q = projected(detail::flatten(query), W_Q, b_Q);
-    const Matrix<T> K = projected(detail::flatten(key), W_K, b_K);
-    const Matrix<T> V = projected(detail::flatten(value), W_V, b_V);
+    MultiHeadWorkspace<T>& ws = workspace;
+    project_into(detail::flatten(query), W_Q, b_Q, ws.Q);
+    project_into(detail::flatten(key), W_K, b_K, ws.K);
+    project_into(detail::flatten(value), W_V, b_V, ws.V);
 
     // 2. Each (batch item, head) in parallel: scores, softmax, weighted values written straight
     //    into the item's rows and the head's columns of the concatenated heads.
@@ -327,42 +361,41 @@ class MultiHeadAttention {
     const Index hd = head_dim();
     const Index heads = config_.num_heads;
     const Index group = heads / config_.num_kv_heads;
-    std::vector<AttentionOptions<T>> item_options;
     const auto items = static_cast<std::size_t>(extra > 0 ? batch : 0);
-    std::vector<Matrix<T>> K_items(items);
-    std::vector<Matrix<T>> V_items(items);
+    ws.item_options.clear();
+    ws.K_items.resize(items);
+    ws.V_items.resize(items);
     for (Index b = 0; b < batch; ++b) {
-      item_options.push_back(options_for_item(options, b, n, m));
+      ws.item_options.push_back(options_for_item(options, b, n, m));
       if (extra > 0) {
-        extended(K.middleRows(b * m, m), bias_k, K_items[static_cast<std::size_t>(b)]);
-        extended(V.middleRows(b * m, m), bias_v, V_items[static_cast<std::size_t>(b)]);
+        extended(ws.K.middleRows(b * m, m), bias_k, ws.K_items[static_cast<std::size_t>(b)]);
+        extended(ws.V.middleRows(b * m, m), bias_v, ws.V_items[static_cast<std::size_t>(b)]);
       }
     }
-    MultiHeadResult<T> result;
-    Tensor4<T> per_head;
-    if (options.need_weights) per_head = Tensor4<T>(batch, heads, n, keys);
-    Matrix<T> concat(batch * n, heads * hd);
-    detail::parallel_for<detail::HeadScratch<T>>(
-        batch * heads, [&](Index bh, detail::HeadScratch<T>& s) {
-          Matrix<T>& P = s.P;
-          const Index b = bh / heads;
-          const Index h = bh % heads;
-          const Index kv = h / group;
-          const auto item = static_cast<std::size_t>(b);
-          const detail::ConstRef<T> K_b = extra > 0 ? detail::ConstRef<T>(K_items[item])
-                                                    : detail::ConstRef<T>(K.middleRows(b * m, m));
-          const detail::ConstRef<T> V_b = extra > 0 ? detail::ConstRef<T>(V_items[item])
-                                                    : detail::ConstRef<T>(V.middleRows(b * m, m));
-          detail::head_attention<T>(Q.block(b * n, h * hd, n, hd), K_b.middleCols(kv * hd, hd),
-                                    V_b.middleCols(kv * hd, hd),
-                                    detail::head_options(item_options[item], options, h, s), P,
-                                    concat.block(b * n, h * hd, n, hd), options.need_weights);
-          if (options.need_weights) {
-            Eigen::Map<Matrix<T>>(per_head.data() + bh * n * keys, n, keys) = P;
-          }
-        });
+    Tensor4<T>& per_head = options.average_weights ? ws.per_head : result.head_weights;
+    if (options.need_weights) per_head.resize(batch, heads, n, keys);
+    ws.concat.resize(batch * n, heads * hd);
+    detail::parallel_for<detail::HeadScratch<T>>(batch * heads, [&](Index bh,
+                                                                    detail::HeadScratch<T>& s) {
+      Matrix<T>& P = s.P;
+      const Index b = bh / heads;
+      const Index h = bh % heads;
+      const Index kv = h / group;
+      const auto item = static_cast<std::size_t>(b);
+      const detail::ConstRef<T> K_b = extra > 0 ? detail::ConstRef<T>(ws.K_items[item])
+                                                : detail::ConstRef<T>(ws.K.middleRows(b * m, m));
+      const detail::ConstRef<T> V_b = extra > 0 ? detail::ConstRef<T>(ws.V_items[item])
+                                                : detail::ConstRef<T>(ws.V.middleRows(b * m, m));
+      detail::head_attention<T>(ws.Q.block(b * n, h * hd, n, hd), K_b.middleCols(kv * hd, hd),
+                                V_b.middleCols(kv * hd, hd),
+                                detail::head_options(ws.item_options[item], options, h, s), P,
+                                ws.concat.block(b * n, h * hd, n, hd), options.need_weights);
+      if (options.need_weights) {
+        Eigen::Map<Matrix<T>>(per_head.data() + bh * n * keys, n, keys) = P;
+      }
+    });
     if (options.need_weights && options.average_weights) {
-      result.weights = Tensor3<T>(batch, n, keys);
+      result.weights.resize(batch, n, keys);
       for (Index b = 0; b < batch; ++b) {
         Eigen::Map<Matrix<T>> average(result.weights.data() + b * n * keys, n, keys);
         average.setZero();
@@ -372,14 +405,14 @@ class MultiHeadAttention {
         }
         average /= static_cast<T>(heads);
       }
-    } else if (options.need_weights) {
-      result.head_weights = std::move(per_head);
     }
+    if (!options.need_weights || !options.average_weights) result.weights.resize(0, 0, 0);
+    if (!options.need_weights || options.average_weights) result.head_weights.resize(0, 0, 0, 0);
 
     // 3. Output projection, again one GEMM over the batch.
-    result.output = Tensor3<T>(batch, n, config_.embed_dim);
-    detail::flatten(result.output) = projected(concat, W_O, b_O);
-    return result;
+    result.output.resize(batch, n, config_.embed_dim);
+    Eigen::Map<Matrix<T>> output = detail::flatten(result.output);
+    project_into(ws.concat, W_O, b_O, output);
   }
 
   /// Self-attention of one sequence: `forward(X, X, X)` without the batch dimension.
@@ -440,20 +473,15 @@ class MultiHeadAttention {
     }
   }
 
-  /// X W + b over all rows (b empty = no bias), by blocks of rows in parallel (the same bits for
-  /// any thread count).
-  static Matrix<T> projected(const detail::ConstRef<T>& X, const Matrix<T>& W,
-                             const RowVector<T>& b) {
-    Matrix<T> Y(X.rows(), W.cols());
-    constexpr Index block_rows = 64;
-    const Index blocks = (X.rows() + block_rows - 1) / block_rows;
-    detail::parallel_for<int>(blocks, [&](Index block, int&) {
-      const Index i0 = block * block_rows;
-      const Index rows = std::min(block_rows, X.rows() - i0);
-      Y.middleRows(i0, rows).noalias() = X.middleRows(i0, rows) * W;
-      if (b.size() > 0) Y.middleRows(i0, rows).rowwise() += b;
-    });
-    return Y;
+  /// Y = X W + b over all rows (b empty = no bias), with the register-tiled kernel of `scores`
+  /// (W packed once, rows in parallel; each entry is one sum in feature order, so the same bits for
+  /// any thread count). Y is resized (a matrix) or must have the right shape (a map).
+  template <class Out>
+  static void project_into(const detail::ConstRef<T>& X, const Matrix<T>& W, const RowVector<T>& b,
+                           Out& Y) {
+    if constexpr (std::is_same_v<Out, Matrix<T>>) Y.resize(X.rows(), W.cols());
+    detail::product_kernel<T>(X, W, Y);
+    if (b.size() > 0) Y.rowwise() += b;
   }
 
   /// The keys (or values) of one batch item with PyTorch's extra rows appended: the learned

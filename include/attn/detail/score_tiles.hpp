@@ -84,6 +84,22 @@ void pack_key_panels(ConstRef<T> K, T* packed) {
   }
 }
 
+/// The same panels from a weight matrix W (d x m) instead of K = W^T (m x d), for products X W:
+/// `panel[c * cols + jj] = W(c, p cols + jj)`, read row by row.
+template <class T>
+void pack_weight_panels(ConstRef<T> W, T* packed) {
+  constexpr Index cols = ScoreTile<T>::cols;
+  const Index d = W.rows();
+  const Index m = W.cols();
+  for (Index j0 = 0; j0 < m; j0 += cols) {
+    const Index width = std::min(cols, m - j0);
+    for (Index c = 0; c < d; ++c, packed += cols) {
+      for (Index jj = 0; jj < width; ++jj) packed[jj] = W(c, j0 + jj);
+      for (Index jj = width; jj < cols; ++jj) packed[jj] = T(0);
+    }
+  }
+}
+
 /// One register tile: S[r, 0:width) = scale * sum_c Q[r, c] * panel[c, 0:width) for `Rows` query
 /// rows. Shape contract: q points at Q(i, 0) with row stride q_stride; panel is one packed key
 /// panel of d rows; s points at S(i, j0) with row stride s_stride; 0 < width <= cols. Each score is
@@ -143,7 +159,7 @@ EIGEN_STRONG_INLINE void score_tile(std::index_sequence<r...>, const T* q, Index
 /// per block, walks the key panels (one panel stays in L1 while every tile of the block uses it);
 /// pass 3, per panel, runs the register tiles down the block, with 6/3/1-row tiles for the rest.
 template <class T>
-void score_tiles(ConstRef<T> Q, const T* packed, T scale, Matrix<T>& S) {
+void score_tiles(ConstRef<T> Q, const T* packed, T scale, Eigen::Ref<Matrix<T>> S) {
   using Tile = ScoreTile<T>;
   constexpr Index rows = Tile::rows;
   constexpr Index cols = Tile::cols;
