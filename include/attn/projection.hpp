@@ -3,6 +3,7 @@
 /// The projections `Q = X W_Q`, `K = X W_K`, `V = X W_V` (the documents' convention: one row per
 /// token, `W` of shape (d_in, d_out)).
 
+#include "detail/score_tiles.hpp"
 #include "error.hpp"
 #include "types.hpp"
 
@@ -40,7 +41,7 @@ Matrix<typename DX::Scalar> project(const Eigen::MatrixBase<DX>& X,
   const detail::ConstRef<T> x(X);
   const detail::ConstRef<T> w(W);
   Matrix<T> Y(x.rows(), w.cols());
-  Y.noalias() = x * w;
+  detail::product_kernel<T>(x, w, Y);
   return Y;
 }
 
@@ -63,7 +64,7 @@ Matrix<typename DX::Scalar> project(const Eigen::MatrixBase<DX>& X, const Eigen:
   const detail::ConstRef<T> x(X);
   const detail::ConstRef<T> w(W);
   Matrix<T> Y(x.rows(), w.cols());
-  Y.noalias() = x * w;
+  detail::product_kernel<T>(x, w, Y);
   if (b.rows() == 1) {
     Y.rowwise() += b.row(0);
   } else {
@@ -91,9 +92,9 @@ QKV<typename DX::Scalar> project_qkv(const Eigen::MatrixBase<DX>& X,
   const detail::ConstRef<T> x(X);  // evaluate an expression X once, not three times
   QKV<T> qkv{Matrix<T>(X.rows(), W_Q.cols()), Matrix<T>(X.rows(), W_K.cols()),
              Matrix<T>(X.rows(), W_V.cols())};
-  qkv.Q.noalias() = x * detail::ConstRef<T>(W_Q);
-  qkv.K.noalias() = x * detail::ConstRef<T>(W_K);
-  qkv.V.noalias() = x * detail::ConstRef<T>(W_V);
+  detail::product_kernel<T>(x, W_Q, qkv.Q);
+  detail::product_kernel<T>(x, W_K, qkv.K);
+  detail::product_kernel<T>(x, W_V, qkv.V);
   return qkv;
 }
 

@@ -20,17 +20,6 @@ T default_scale(Index d_k) {
   return T(1) / std::sqrt(static_cast<T>(d_k));
 }
 
-/// This thread's buffer for m keys of d features packed in panels: grows to the largest size seen
-/// and is kept between calls (aligned for the packet loads).
-template <class T>
-T* packed_panels(Index m, Index d) {
-  constexpr Index cols = ScoreTile<T>::cols;
-  thread_local Vector<T> packed;
-  const Index size = (m + cols - 1) / cols * cols * d;
-  if (packed.size() < size) packed.resize(size);
-  return packed.data();
-}
-
 /// S = scale * Q K^T: K is packed once into panels, then register tiles of S are summed over d_k,
 /// scaled in the registers and written once (detail/score_tiles.hpp): no zero fill, no second pass.
 /// Shape contract: Q n x d, K m x d, S resized to n x m (no allocation when it already is).
@@ -43,20 +32,6 @@ void scores_kernel(ConstRef<T> Q, ConstRef<T> K, T scale, Matrix<T>& S) {
   T* packed = packed_panels<T>(K.rows(), K.cols());
   pack_key_panels<T>(K, packed);
   score_tiles<T>(Q, packed, scale, S);
-}
-
-/// Y = X W with the same register tiles (W packed by columns): the projections of the multi-head
-/// layer. Shape contract: X n x d, W d x m, Y n x m (already sized).
-template <class T>
-void product_kernel(ConstRef<T> X, ConstRef<T> W, Eigen::Ref<Matrix<T>> Y) {
-  if (Y.size() == 0) return;
-  if (X.cols() == 0) {
-    Y.setZero();
-    return;
-  }
-  T* packed = packed_panels<T>(W.cols(), W.rows());
-  pack_weight_panels<T>(W, packed);
-  score_tiles<T>(X, packed, T(1), Y);
 }
 
 template <class T>

@@ -198,5 +198,31 @@ void score_tiles(ConstRef<T> Q, const T* packed, T scale, Eigen::Ref<Matrix<T>> 
   });
 }
 
+/// This thread's buffer for m keys of d features packed in panels: grows to the largest size seen
+/// and is kept between calls (aligned for the packet loads).
+template <class T>
+T* packed_panels(Index m, Index d) {
+  constexpr Index cols = ScoreTile<T>::cols;
+  thread_local Vector<T> packed;
+  const Index size = (m + cols - 1) / cols * cols * d;
+  if (packed.size() < size) packed.resize(size);
+  return packed.data();
+}
+
+/// Y = X W with the same register tiles (W packed by columns): `project`, `project_qkv` and the
+/// multi-head layer's projections. Each entry is one sum in feature order. Shape contract: X n x d,
+/// W d x m, Y n x m (already sized).
+template <class T>
+void product_kernel(ConstRef<T> X, ConstRef<T> W, Eigen::Ref<Matrix<T>> Y) {
+  if (Y.size() == 0) return;
+  if (X.cols() == 0) {
+    Y.setZero();
+    return;
+  }
+  T* packed = packed_panels<T>(W.cols(), W.rows());
+  pack_weight_panels<T>(W, packed);
+  score_tiles<T>(X, packed, T(1), Y);
+}
+
 }  // namespace detail
 }  // namespace attn
