@@ -76,6 +76,28 @@ attn::Matrix<T> decode(KVCache<T>& cache, const attn::Matrix<T>& Q, const attn::
   return out;
 }
 
+/// Each query head's columns of `out` (heads of d_v columns, query head h reading key/value head
+/// h / (heads / kv_heads)) equal naive attention of that head over the whole sequence with
+/// `allowed` as its mask.
+template <class T>
+void expect_heads_equal_full_attention(const attn::Matrix<T>& out, const attn::Matrix<T>& Q,
+                                       const attn::Matrix<T>& K, const attn::Matrix<T>& V,
+                                       Index kv_heads, const Mask& allowed,
+                                       const attn::AttentionOptions<T>& options,
+                                       const std::string& where) {
+  const Index d = K.cols() / kv_heads;
+  const Index d_v = V.cols() / kv_heads;
+  const Index heads = Q.cols() / d;
+  for (Index h = 0; h < heads; ++h) {
+    const Index kv = h / (heads / kv_heads);
+    const LMatrix expected = full_attention<T>(
+        attn::Matrix<T>(Q.middleCols(h * d, d)), attn::Matrix<T>(K.middleCols(kv * d, d)),
+        attn::Matrix<T>(V.middleCols(kv * d_v, d_v)), allowed, options);
+    EXPECT_TRUE(attn_test::near_t<T>(out.middleCols(h * d_v, d_v), expected))
+        << "head " << h << " of " << heads << where;
+  }
+}
+
 template <class T>
 class KVCacheTest : public ::testing::Test {};
 TYPED_TEST_SUITE(KVCacheTest, attn_test::ScalarTypes);
@@ -272,14 +294,8 @@ TYPED_TEST(KVCacheTest, GroupedQueryDecodingEqualsPerHeadAttention) {
     config.window = window;
     KVCache<T> cache(config);
     const attn::Matrix<T> out = decode(cache, Q, K, V, {1}, options, heads * d_v);
-    for (Index h = 0; h < heads; ++h) {
-      const Index kv = h / 3;
-      const LMatrix expected = full_attention<T>(
-          attn::Matrix<T>(Q.middleCols(h * d, d)), attn::Matrix<T>(K.middleCols(kv * d, d)),
-          attn::Matrix<T>(V.middleCols(kv * d_v, d_v)), visible(n, window), options);
-      EXPECT_TRUE(attn_test::near_t<T>(out.middleCols(h * d_v, d_v), expected))
-          << "head " << h << (window ? ", windowed" : "");
-    }
+    expect_heads_equal_full_attention<T>(out, Q, K, V, kv_heads, visible(n, window), options,
+                                         window ? ", windowed" : "");
     // The tensor calls: (heads, tokens, features) in and out, same numbers.
     KVCache<T> tensors(config);
     attn::Tensor3<T> K_t(kv_heads, n, d);
@@ -312,7 +328,6 @@ TYPED_TEST(KVCacheTest, VectorisedDecodingEqualsPerHeadAttention) {
   const Index d = 16;
   for (const Index kv_heads : {1, 2}) {
     const Index heads = kv_heads == 1 ? 7 : 8;
-    const Index group = heads / kv_heads;
     const attn::Matrix<T> Q = attn_test::random_matrix<T>(n, heads * d, rng);
     const attn::Matrix<T> K = attn_test::random_matrix<T>(n, kv_heads * d, rng);
     const attn::Matrix<T> V = attn_test::random_matrix<T>(n, kv_heads * d, rng);
@@ -329,14 +344,8 @@ TYPED_TEST(KVCacheTest, VectorisedDecodingEqualsPerHeadAttention) {
       config.window = window;
       KVCache<T> cache(config);
       const attn::Matrix<T> out = decode(cache, Q, K, V, {1}, options, heads * d);
-      for (Index h = 0; h < heads; ++h) {
-        const Index kv = h / group;
-        const LMatrix expected = full_attention<T>(
-            attn::Matrix<T>(Q.middleCols(h * d, d)), attn::Matrix<T>(K.middleCols(kv * d, d)),
-            attn::Matrix<T>(V.middleCols(kv * d, d)), visible(n, window), options);
-        EXPECT_TRUE(attn_test::near_t<T>(out.middleCols(h * d, d), expected))
-            << "head " << h << " of " << heads << (window ? ", windowed" : "");
-      }
+      expect_heads_equal_full_attention<T>(out, Q, K, V, kv_heads, visible(n, window), options,
+                                           window ? ", windowed" : "");
     }
   }
 }

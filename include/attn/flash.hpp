@@ -76,20 +76,10 @@ void flash_block(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const AttentionOpt
     apply_softcap<T>(options, scratch.s_ij);
     apply_bias_and_mask<T>(options, {n, m, i0, j0}, scratch.s_ij);
 
-    // 2. Online softmax, row by row.
+    // 2. Online softmax, row by row (`online_softmax_step`), rescaling the running output.
     for (Index r = 0; r < rows; ++r) {
-      Eigen::Ref<RowVector<T>> s_r = scratch.s_ij.row(r);
-      const T m_old = scratch.m_i(r);
-      const T m_new = std::max(m_old, s_r.maxCoeff());
-      if (m_new == neg_inf) {  // nothing visible yet: this row contributes nothing
-        s_r.setZero();
-        continue;
-      }
-      const T alpha = std::exp(m_old - m_new);  // exp(-inf) = 0 on the first visible tile
-      const T tile_sum = exp_shifted_inplace<T>(s_r, m_new);
-      scratch.l_i(r) = alpha * scratch.l_i(r) + tile_sum;
+      const T alpha = online_softmax_step<T>(scratch.s_ij.row(r), scratch.m_i(r), scratch.l_i(r));
       if (alpha != T(1)) scratch.o_i.row(r) *= alpha;
-      scratch.m_i(r) = m_new;
     }
 
     // 3. Weighted values of the tile.

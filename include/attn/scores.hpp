@@ -30,7 +30,8 @@ void scores_kernel(ConstRef<T> Q, ConstRef<T> K, T scale, Matrix<T>& S) {
   S.resize(Q.rows(), K.rows());
   if (S.size() == 0) return;
   T* packed = packed_panels<T>(K.rows(), K.cols());
-  pack_key_panels<T>(K, packed);
+  pack_panels<T>(
+      K.rows(), K.cols(), [&](Index j, Index c) { return K(j, c); }, packed);
   score_tiles<T>(Q, packed, scale, S);
 }
 

@@ -52,6 +52,24 @@ T exp_shifted_inplace(Eigen::Ref<RowVector<T>> row, T max) {
   return visible.sum();
 }
 
+/// One row's step of the online softmax over a tile of its scores (Milakov & Gimelshein 2018):
+/// m' = max(m, max_j s_j), s_j -> p_j = exp(s_j - m') in place, l' = exp(m - m') l + sum_j p_j.
+/// \returns alpha = exp(m - m'), by which the caller rescales the row's running output
+///          (o' = alpha o + sum_j p_j V_j); exp(-inf) = 0 on the first visible tile. A row with
+///          nothing visible yet (m' = -inf) becomes zeros and returns 1, m and l unchanged.
+template <class T>
+T online_softmax_step(Eigen::Ref<RowVector<T>> s, T& m, T& l) {
+  const T m_new = std::max(m, s.maxCoeff());
+  if (m_new == -std::numeric_limits<T>::infinity()) {
+    s.setZero();
+    return T(1);
+  }
+  const T alpha = std::exp(m - m_new);
+  l = alpha * l + exp_shifted_inplace<T>(s, m_new);
+  m = m_new;
+  return alpha;
+}
+
 /// The first half of one row's softmax, in place: `row -> exp(row - max)` (see
 /// `exp_shifted_inplace`). A row with no finite entry (and no sink) becomes all zero with sum 0.
 /// \param row   1 x m scores, replaced by their shifted exponentials

@@ -49,7 +49,6 @@ EIGEN_STRONG_INLINE void decode_scores(std::index_sequence<h...>, const T* q, In
   using Packet = DecodePacket<T>;
   constexpr Index lanes = decode_lanes<T>;
   constexpr std::size_t G = sizeof...(h);
-  using Eigen::internal::pload;
   using Eigen::internal::ploadu;
   using Eigen::internal::pmadd;
   using Eigen::internal::predux;
@@ -127,16 +126,8 @@ void decode_tile(Index h0, ConstRef<T> K, ConstRef<T> V, Index j0, Index cols,
   //    p_j = exp(s_j - m'), l' = alpha l + sum_j p_j; the running output is rescaled by alpha in
   //    step 3 (o' = alpha o + sum_j p_j V_j). The running max starts at -inf (or the sink).
   for (Index h = h0; h < h0 + Index(G); ++h) {
-    Eigen::Ref<RowVector<T>> s_h = scratch.s.row(h).head(cols);
-    const T m_new = std::max(scratch.m(h), s_h.maxCoeff());
-    if (m_new == -std::numeric_limits<T>::infinity()) {  // nothing visible yet: p = 0, o stays 0
-      s_h.setZero();
-      scratch.alpha(h) = T(1);
-      continue;
-    }
-    scratch.alpha(h) = std::exp(scratch.m(h) - m_new);
-    scratch.l(h) = scratch.alpha(h) * scratch.l(h) + exp_shifted_inplace<T>(s_h, m_new);
-    scratch.m(h) = m_new;
+    scratch.alpha(h) =
+        online_softmax_step<T>(scratch.s.row(h).head(cols), scratch.m(h), scratch.l(h));
   }
 
   // 3. Values, `chunk` packets of output columns at a time (the tile's value rows stay in L1
@@ -193,16 +184,8 @@ void decode_kernel(ConstRef<T> q, ConstRef<T> K, ConstRef<T> V, const AttentionO
     s.noalias() = scratch.q_scaled.lazyProduct(K.middleRows(j0, cols).transpose());
     apply_softcap<T>(options, s);
     for (Index r = 0; r < g; ++r) {  // the online softmax of step 2 above
-      Eigen::Ref<RowVector<T>> s_r = s.row(r);
-      const T m_new = std::max(scratch.m(r), s_r.maxCoeff());
-      if (m_new == neg_inf) {
-        s_r.setZero();
-        continue;
-      }
-      const T alpha = std::exp(scratch.m(r) - m_new);
-      scratch.l(r) = alpha * scratch.l(r) + exp_shifted_inplace<T>(s_r, m_new);
+      const T alpha = online_softmax_step<T>(s.row(r), scratch.m(r), scratch.l(r));
       if (alpha != T(1)) scratch.o.row(r) *= alpha;
-      scratch.m(r) = m_new;
     }
     scratch.o.noalias() += s.lazyProduct(V.middleRows(j0, cols));
   }

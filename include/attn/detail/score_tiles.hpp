@@ -68,33 +68,16 @@ inline void stream_fence() {
 #endif
 }
 
-/// K packed for the kernel: panel p holds keys [p cols, (p + 1) cols) transposed, d_k rows of
-/// `cols` scalars each (`panel[c * cols + jj] = K(p cols + jj, c)`), zero past the last key.
-template <class T>
-void pack_key_panels(ConstRef<T> K, T* packed) {
+/// Keys packed for the kernel: panel p holds keys [p cols, (p + 1) cols) transposed, d rows of
+/// `cols` scalars each (`panel[c * cols + jj] = key(p cols + jj, c)`), zero past the last key.
+/// `key(j, c)` gives feature c of key j: K(j, c) for scores, W(c, j) for products X W.
+template <class T, class Key>
+void pack_panels(Index m, Index d, const Key& key, T* packed) {
   constexpr Index cols = ScoreTile<T>::cols;
-  const Index m = K.rows();
-  const Index d = K.cols();
   for (Index j0 = 0; j0 < m; j0 += cols) {
     const Index width = std::min(cols, m - j0);
     for (Index c = 0; c < d; ++c, packed += cols) {
-      for (Index jj = 0; jj < width; ++jj) packed[jj] = K(j0 + jj, c);
-      for (Index jj = width; jj < cols; ++jj) packed[jj] = T(0);
-    }
-  }
-}
-
-/// The same panels from a weight matrix W (d x m) instead of K = W^T (m x d), for products X W:
-/// `panel[c * cols + jj] = W(c, p cols + jj)`, read row by row.
-template <class T>
-void pack_weight_panels(ConstRef<T> W, T* packed) {
-  constexpr Index cols = ScoreTile<T>::cols;
-  const Index d = W.rows();
-  const Index m = W.cols();
-  for (Index j0 = 0; j0 < m; j0 += cols) {
-    const Index width = std::min(cols, m - j0);
-    for (Index c = 0; c < d; ++c, packed += cols) {
-      for (Index jj = 0; jj < width; ++jj) packed[jj] = W(c, j0 + jj);
+      for (Index jj = 0; jj < width; ++jj) packed[jj] = key(j0 + jj, c);
       for (Index jj = width; jj < cols; ++jj) packed[jj] = T(0);
     }
   }
@@ -153,8 +136,8 @@ EIGEN_STRONG_INLINE void score_tile(std::index_sequence<r...>, const T* q, Index
   (store(s + Index(r) * s_stride, acc[r]), ...);
 }
 
-/// S = scale * Q K^T with K already packed (pack_key_panels). Shape contract: Q n x d, S n x m
-/// row-major; `packed` holds ceil(m / cols) panels of d x cols.
+/// S = scale * Q K^T with K already packed. Shape contract: Q n x d, S n x m
+/// row-major; `packed` holds ceil(m / cols) panels of d x cols (`pack_panels`).
 /// Pass 1 splits the queries into blocks of 8 register tiles, in parallel (`parallel_for`); pass 2,
 /// per block, walks the key panels (one panel stays in L1 while every tile of the block uses it);
 /// pass 3, per panel, runs the register tiles down the block, with 6/3/1-row tiles for the rest.
@@ -220,7 +203,8 @@ void product_kernel(ConstRef<T> X, ConstRef<T> W, Eigen::Ref<Matrix<T>> Y) {
     return;
   }
   T* packed = packed_panels<T>(W.cols(), W.rows());
-  pack_weight_panels<T>(W, packed);
+  pack_panels<T>(
+      W.cols(), W.rows(), [&](Index j, Index c) { return W(c, j); }, packed);
   score_tiles<T>(X, packed, T(1), Y);
 }
 
