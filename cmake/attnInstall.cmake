@@ -1,4 +1,6 @@
-# Install rules: headers, the exported attn::attn target, attnConfig.cmake and its version file.
+# Install rules: headers, the exported attn::attn and attn::openmp targets, attnConfig.cmake and its
+# version file. attn::openmp has an export file of its own, which attnConfig.cmake loads (and finds
+# OpenMP for) only when the consumer asks for the openmp component.
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
@@ -7,8 +9,10 @@ set(ATTN_INSTALL_CMAKEDIR "${CMAKE_INSTALL_DATADIR}/cmake/attn" CACHE STRING
     "Where attnConfig.cmake is installed, relative to the prefix")
 
 install(TARGETS attn EXPORT attnTargets)
+install(TARGETS attn_openmp EXPORT attnOpenMPTargets)
 install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/attn" DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}")
 install(EXPORT attnTargets NAMESPACE attn:: DESTINATION "${ATTN_INSTALL_CMAKEDIR}")
+install(EXPORT attnOpenMPTargets NAMESPACE attn:: DESTINATION "${ATTN_INSTALL_CMAKEDIR}")
 
 configure_package_config_file(
   "${PROJECT_SOURCE_DIR}/cmake/attnConfig.cmake.in"
@@ -18,6 +22,7 @@ write_basic_package_version_file(
   "${PROJECT_BINARY_DIR}/attnConfigVersion.cmake"
   COMPATIBILITY SameMinorVersion
   ARCH_INDEPENDENT)
-install(FILES "${PROJECT_BINARY_DIR}/attnConfig.cmake" "${PROJECT_BINARY_DIR}/attnConfigVersion.cmake"
+install(FILES "${PROJECT_BINARY_DIR}/attnConfig.cmake"
+              "${PROJECT_BINARY_DIR}/attnConfigVersion.cmake"
         DESTINATION "${ATTN_INSTALL_CMAKEDIR}")
 install(FILES "${PROJECT_SOURCE_DIR}/LICENSE" DESTINATION "${CMAKE_INSTALL_DATADIR}/doc/attn")

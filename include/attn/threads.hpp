@@ -1,9 +1,10 @@
 #pragma once
 /// \file threads.hpp
-/// The thread count of `attn`'s parallel loops. With OpenMP (link OpenMP::OpenMP_CXX, as the CMake
-/// package does when it was built with it) the tiled kernels run in parallel; without it they run
-/// serially and these calls only record the number. Results are identical bit for bit whatever the
-/// thread count: every output row is computed by one thread in a fixed order.
+/// The thread count of `attn`'s parallel loops. Threads are opt-in: compiled with OpenMP (link the
+/// CMake target `attn::openmp`, which adds OpenMP::OpenMP_CXX, i.e. `-fopenmp`) the tiled kernels
+/// run in parallel; with plain `attn::attn` (no compile flag) they run serially, `num_threads()`
+/// is 1 and `set_num_threads` only records the number. Results are identical bit for bit whatever
+/// the thread count: every output row is computed by one thread in a fixed order.
 
 #include <algorithm>
 

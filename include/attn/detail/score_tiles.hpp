@@ -136,8 +136,8 @@ EIGEN_STRONG_INLINE void score_tile(std::index_sequence<r...>, const T* q, Index
   (store(s + Index(r) * s_stride, acc[r]), ...);
 }
 
-/// S = scale * Q K^T with K already packed. Shape contract: Q n x d, S n x m
-/// row-major; `packed` holds ceil(m / cols) panels of d x cols (`pack_panels`).
+/// S = scale * Q K^T with K already packed. Shape contract: Q n x d and S n x m, row-major;
+/// `packed` holds ceil(m / cols) panels of d x cols (`pack_panels`).
 /// Pass 1 splits the queries into blocks of 8 register tiles, in parallel (`parallel_for`); pass 2,
 /// per block, walks the key panels (one panel stays in L1 while every tile of the block uses it);
 /// pass 3, per panel, runs the register tiles down the block, with 6/3/1-row tiles for the rest.
