@@ -16,8 +16,11 @@
 /// read: its query now asks for "something that gets tired" or "something that is wide", which the
 /// key of "animal" or of "street" answers.
 ///
-/// Also the inputs of the documents' other examples that `attn-walkthrough --svg DIR` draws.
-/// Used by `attn-walkthrough --html FILE` / `--svg DIR` and by tests/render_test.cpp.
+/// Used by `attn-walkthrough --html FILE` and by tests/render_test.cpp.
+///
+/// The page's HTML, style sheet and script are the files page/page.html, page/page.css and
+/// page/page.js, which the build embeds into the generated header <attn_examples/page_files.hpp>
+/// (page/CMakeLists.txt; link the target `attn_example_page` to use this header).
 
 #include <attn/attn.hpp>
 #include <cmath>
@@ -27,7 +30,12 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
+
+#include "attn_examples/page_files.hpp"  // generated from page/ at build time
+#include "documents.hpp"                 // three_tokens(), for the step-through
 
 namespace attn_examples {
 
@@ -147,37 +155,6 @@ inline ItAttention it_attention(const ItSentence& s, const ItModel& model) {
   return result;
 }
 
-/// The first document's three tokens: Q, K and V given directly (d_k = 2).
-inline attn::QKV<double> three_tokens() {
-  attn::QKV<double> t{Matrix(3, 2), Matrix(3, 2), Matrix(3, 2)};
-  t.Q << 1, 0, 0, 1, 1, 1;
-  t.K << 1, 0, 0, 1, 1, 1;
-  t.V << 1, 0, 0, 1, 0.5, 0.5;
-  return t;
-}
-
-/// The second document's "I love AI" NumPy example: words, X (3 x 4) and W_q, W_k, W_v (4 x 2).
-struct ILoveAi {
-  std::vector<std::string> words{"I", "love", "AI"};
-  Matrix X{3, 4};
-  Matrix W_q{4, 2};
-  Matrix W_k{4, 2};
-  Matrix W_v{4, 2};
-  ILoveAi() {
-    X << 1, 0, 1, 0,  // "I"
-        0, 2, 0, 1,   // "love"
-        1, 1, 1, 1;   // "AI"
-    W_q << 1, 0, 0, 1, 1, 0, 0, 1;
-    W_k << 0, 1, 1, 0, 0, 1, 1, 0;
-    W_v << 1, 0, 0, 1, 1, 1, 0, 0;
-  }
-  /// The 3 x 3 attention weights, softmax(Q K^T / sqrt(2)).
-  Matrix weights() const {
-    const attn::QKV<double> qkv = attn::project_qkv(X, W_q, W_k, W_v);
-    return attn::attention_with_weights(qkv.Q, qkv.K, qkv.V).weights;
-  }
-};
-
 namespace detail {
 
 /// A JSON number that reads back as the same double (17 significant digits); null if not finite.
@@ -210,7 +187,7 @@ inline std::string json_string(const std::string& text) {
   return quoted + "\"";
 }
 
-/// A matrix as an array of row arrays; a vector as one array.
+/// A matrix as an array of row arrays.
 template <class Derived>
 std::string json_matrix(const Eigen::MatrixBase<Derived>& M) {
   std::string text = "[";
@@ -224,6 +201,7 @@ std::string json_matrix(const Eigen::MatrixBase<Derived>& M) {
   return text + "]";
 }
 
+/// A vector as one array.
 template <class Derived>
 std::string json_vector(const Eigen::MatrixBase<Derived>& v) {
   std::string text = "[";
@@ -233,6 +211,7 @@ std::string json_vector(const Eigen::MatrixBase<Derived>& v) {
   return text + "]";
 }
 
+/// Strings as one array.
 inline std::string json_strings(const std::vector<std::string>& items) {
   std::string text = "[";
   for (std::size_t k = 0; k < items.size(); ++k)
@@ -288,328 +267,68 @@ inline std::string page_data_json() {
   return json;
 }
 
-/// The start and end markers around the embedded JSON (tests look for them).
+/// The start marker of the embedded JSON, as page/page.html writes it before `{{data}}` (tests look
+/// for it; the JSON ends at the next `</script>`).
 inline const char* page_data_open() {
   return "<script type=\"application/json\" id=\"attn-data\">";
 }
 
-/// The page's style sheet.
-inline const char* page_css() {
-  return R"CSS(
-:root { --accent: 230, 97, 0; --ink: #1d1d1f; --muted: #5f6368; --line: #d9d9de; }
-* { box-sizing: border-box; }
-body { margin: 0; font: 16px/1.5 system-ui, -apple-system, "Segoe UI", "DejaVu Sans", sans-serif;
-       color: var(--ink); background: #fafafa; }
-main { max-width: 1120px; margin: 0 auto; padding: 18px 24px 40px; }
-h1 { font-size: 26px; margin: 4px 0 6px; }
-h2 { font-size: 20px; margin: 0 0 8px; }
-section { background: #fff; border: 1px solid var(--line); border-radius: 10px; padding: 16px 20px;
-          margin: 14px 0; }
-.illustrative { background: #fff7e6; border: 1px solid #f0c36d; border-radius: 8px; padding: 8px 12px;
-                margin: 8px 0; font-size: 14px; }
-.controls { display: flex; flex-wrap: wrap; gap: 16px; align-items: center; margin: 6px 0 12px;
-            font-size: 14px; color: var(--muted); }
-.toggle { font: inherit; border: 1px solid var(--line); background: #fff; padding: 3px 12px;
-          cursor: pointer; }
-.toggle:first-of-type { border-radius: 6px 0 0 6px; }
-.toggle:last-of-type { border-radius: 0 6px 6px 0; margin-left: -1px; }
-.toggle[aria-pressed="true"] { background: #333; color: #fff; border-color: #333; }
-.sentence { display: flex; flex-wrap: wrap; gap: 8px 6px; margin: 8px 0 4px; }
-.word { font: inherit; font-size: 22px; border: 2px solid transparent; border-radius: 8px;
-        padding: 4px 10px 2px; background: #f1f1f4; cursor: pointer; display: inline-flex;
-        flex-direction: column; align-items: center; min-width: 56px; color: var(--ink); }
-.word .weight { font-size: 12px; color: #333; font-variant-numeric: tabular-nums; min-height: 18px; }
-.word.selected { border-color: #333; }
-.word.most-attended { border-color: rgb(var(--accent)); box-shadow: 0 0 0 2px rgba(var(--accent), .35); }
-#readout { min-height: 24px; margin: 8px 0; font-size: 15px; }
-.bars { display: grid; grid-template-columns: max-content 70px 1fr; gap: 2px 10px; font-size: 13px;
-        max-width: 640px; font-variant-numeric: tabular-nums; }
-.bars .bar { background: rgb(var(--accent)); height: 12px; margin-top: 4px; border-radius: 2px; }
-.bars .num { text-align: right; }
-.explain { font-size: 14px; color: #333; }
-details { font-size: 13px; margin-top: 8px; }
-table.matrix { border-collapse: collapse; margin: 6px 14px 6px 0; font-variant-numeric: tabular-nums;
-               font-size: 14px; display: inline-table; vertical-align: top; }
-table.matrix caption { font-weight: 600; text-align: left; padding-bottom: 2px; }
-table.matrix th, table.matrix td { border: 1px solid var(--line); padding: 2px 8px; text-align: right; }
-table.matrix th { background: #f4f4f6; font-weight: 500; }
-.step-nav { display: flex; gap: 10px; align-items: center; margin-bottom: 8px; }
-.step-nav button { font: inherit; padding: 3px 12px; border-radius: 6px; border: 1px solid var(--line);
-                   background: #fff; cursor: pointer; }
-.step-nav button:disabled { opacity: .4; cursor: default; }
-#step-title { font-weight: 600; }
-)CSS";
-}
+namespace detail {
 
-/// The page's script: reads the embedded JSON, builds the clickable words and the step-through.
-/// The URL hash selects the state at startup and follows every click:
-/// `#word=it&last=tired&layer=2&step=0`.
-inline const char* page_js() {
-  return R"JS(
-(function () {
-  'use strict';
-  var data = JSON.parse(document.getElementById('attn-data').textContent);
-  var state = { last: 'tired', layer: 2, word: null, step: 0 };
-  var $ = function (id) { return document.getElementById(id); };
-  function el(tag, cls, text) {
-    var e = document.createElement(tag);
-    if (cls) e.className = cls;
-    if (text !== undefined) e.textContent = text;
-    return e;
-  }
-  function pct(x) { return (100 * x).toFixed(1) + '%'; }
-
-  // --- click a word -------------------------------------------------------------------------
-  function renderWords() {
-    var s = data.sentences[state.last];
-    var row = state.word === null ? null : s.layers[state.layer - 1].weights[state.word];
-    var most = -1, j;
-    if (row) { most = 0; for (j = 1; j < row.length; j++) if (row[j] > row[most]) most = j; }
-    var box = $('sentence');
-    box.textContent = '';
-    s.words.forEach(function (w, k) {
-      var b = el('button', 'word');
-      b.type = 'button';
-      b.setAttribute('data-index', String(k));
-      b.setAttribute('data-word', w);
-      b.appendChild(el('span', 'text', w));
-      var tag = el('span', 'weight', row ? pct(row[k]) : '');
-      b.appendChild(tag);
-      if (row) {
-        b.setAttribute('data-weight', row[k].toFixed(6));
-        b.style.backgroundColor = 'rgba(230, 97, 0, ' + (0.08 + 0.82 * row[k] / row[most]).toFixed(3) + ')';
-        if (k === most) { b.classList.add('most-attended'); b.setAttribute('data-most-attended', 'true'); }
-        if (k === state.word) b.classList.add('selected');
-      }
-      b.addEventListener('click', function () { state.word = k; update(); });
-      box.appendChild(b);
-    });
-    box.setAttribute('data-selected', row ? s.words[state.word] : '');
-    box.setAttribute('data-last', state.last);
-    box.setAttribute('data-layer', String(state.layer));
-    box.setAttribute('data-most-attended', row ? s.words[most] : '');
-
-    var bars = $('bars');
-    bars.textContent = '';
-    if (!row) {
-      $('readout').textContent = 'Click a word.';
-      return;
+/// `page` with each marker `{{name}}` replaced by the text `fills` gives for `name`. A marker
+/// alone on its line is replaced together with that line's end, since what it stands for (a
+/// whole file) ends its own last line. The text put in is not searched for markers.
+/// \param page   the template, e.g. page/page.html
+/// \param fills  (name, text) pairs; every name must occur in `page`
+/// \returns the filled page
+/// \throws std::logic_error on a marker without a fill, an unclosed `{{`, or a fill that `page`
+///         never asks for (page.html and this file disagree).
+inline std::string fill_markers(
+    std::string_view page,
+    const std::vector<std::pair<std::string_view, std::string_view>>& fills) {
+  std::string filled;
+  std::vector<bool> used(fills.size(), false);
+  std::size_t at = 0;
+  for (std::size_t open = page.find("{{"); open != std::string_view::npos;
+       open = page.find("{{", at)) {
+    const std::size_t close = page.find("}}", open + 2);
+    if (close == std::string_view::npos) throw std::logic_error("page template: unclosed '{{'");
+    const std::string_view name = page.substr(open + 2, close - open - 2);
+    std::size_t k = 0;
+    while (k < fills.size() && fills[k].first != name) ++k;
+    if (k == fills.size()) {
+      throw std::logic_error("page template: no text for the marker {{" + std::string(name) + "}}");
     }
-    $('readout').textContent = '\u201c' + s.words[state.word] + '\u201d pays the most attention to \u201c' +
-        s.words[most] + '\u201d (' + pct(row[most]) + ') in layer ' + state.layer +
-        '. Its row of weights sums to ' + row.reduce(function (a, b) { return a + b; }, 0).toFixed(4) + ':';
-    s.words.forEach(function (w, k) {
-      bars.appendChild(el('span', 'w', w));
-      bars.appendChild(el('span', 'num', row[k].toFixed(4)));
-      var bar = el('span', 'bar');
-      bar.style.width = (100 * row[k]).toFixed(2) + '%';
-      bars.appendChild(bar);
-    });
+    used[k] = true;
+    filled.append(page.substr(at, open - at));
+    filled.append(fills[k].second);
+    at = close + 2;
+    const bool alone_on_its_line =
+        (open == 0 || page[open - 1] == '\n') && at < page.size() && page[at] == '\n';
+    if (alone_on_its_line) ++at;
   }
-
-  function renderToggles() {
-    ['tired', 'wide'].forEach(function (w) {
-      $('last-' + w).setAttribute('aria-pressed', String(state.last === w));
-    });
-    [1, 2].forEach(function (l) {
-      $('layer-' + l).setAttribute('aria-pressed', String(state.layer === l));
-    });
-  }
-
-  // --- the 3-token step-through --------------------------------------------------------------
-  var t = data.three_tokens;
-  var tokens = ['token 1', 'token 2', 'token 3'];
-  function num(x) {
-    if (x === null) return '\u2212\u221e';
-    var s = x.toFixed(4);
-    return s === '-0.0000' ? '0.0000' : s;
-  }
-  function matrixTable(caption, M, cols, extra) {
-    var table = el('table', 'matrix');
-    table.appendChild(el('caption', '', caption));
-    var head = el('tr');
-    head.appendChild(el('th', '', ''));
-    cols.forEach(function (c) { head.appendChild(el('th', '', c)); });
-    if (extra) head.appendChild(el('th', '', extra.name));
-    table.appendChild(head);
-    M.forEach(function (r, i) {
-      var tr = el('tr');
-      tr.appendChild(el('th', '', tokens[i]));
-      r.forEach(function (x) { tr.appendChild(el('td', '', num(x))); });
-      if (extra) tr.appendChild(el('td', '', num(extra.values[i])));
-      table.appendChild(tr);
-    });
-    return table;
-  }
-  var keys = ['key 1', 'key 2', 'key 3'];
-  var dims = ['[0]', '[1]'];
-  var steps = [
-    { title: 'Inputs: Q, K, V (d_k = ' + t.d_k + ')',
-      text: 'Three tokens with hand-chosen 2-dimensional queries, keys and values (the first document\u2019s table).',
-      tables: function () { return [matrixTable('Q', t.Q, dims), matrixTable('K', t.K, dims), matrixTable('V', t.V, dims)]; } },
-    { title: 'Raw scores Q K\u1d40',
-      text: 'Every query dotted with every key: row = query token, column = key token.',
-      tables: function () { return [matrixTable('Q K\u1d40', t.scores, keys)]; } },
-    { title: 'Scale by 1/\u221ad_k = ' + num(t.scale),
-      text: 'Dividing by \u221a' + t.d_k + ' keeps the scores from growing with the dimension.',
-      tables: function () { return [matrixTable('Q K\u1d40 / \u221ad_k', t.scaled, keys)]; } },
-    { title: 'Softmax, part 1: subtract the row maximum and exponentiate',
-      text: 'The library\u2019s stable softmax: e^(x \u2212 max) can never overflow, and the factor e^\u2212max cancels in the ratio.',
-      tables: function () { return [matrixTable('e^(x \u2212 row max)', t.exp, keys, { name: 'row max', values: t.row_max })]; } },
-    { title: 'Softmax, part 2: divide by the row sum',
-      text: 'Each row now sums to 1: these are the attention weights.',
-      tables: function () { return [matrixTable('weights', t.weights, keys, { name: 'row sum of e^(x \u2212 max)', values: t.row_sum })]; } },
-    { title: 'Output = weights \u00b7 V',
-      text: 'Each token\u2019s output is the weighted average of the value vectors.',
-      tables: function () { return [matrixTable('weights', t.weights, keys), matrixTable('V', t.V, dims), matrixTable('output', t.output, dims)]; } }
-  ];
-  function renderStep() {
-    state.step = Math.max(0, Math.min(steps.length - 1, state.step));
-    var s = steps[state.step];
-    $('step-title').textContent = 'Step ' + state.step + ' of ' + (steps.length - 1) + ': ' + s.title;
-    $('step-text').textContent = s.text;
-    var box = $('step-tables');
-    box.textContent = '';
-    s.tables().forEach(function (tb) { box.appendChild(tb); });
-    $('step-prev').disabled = state.step === 0;
-    $('step-next').disabled = state.step === steps.length - 1;
-    $('steps').setAttribute('data-step', String(state.step));
-  }
-
-  // --- embeddings (illustrative) -------------------------------------------------------------
-  function renderEmbeddings() {
-    var box = $('embeddings');
-    box.textContent = '';
-    ['tired', 'wide'].forEach(function (last) {
-      var s = data.sentences[last];
-      var cols = data.model.features;
-      var table = el('table', 'matrix');
-      table.appendChild(el('caption', '', 'X, sentence ending in \u201c' + last + '\u201d'));
-      var head = el('tr');
-      head.appendChild(el('th', '', 'word'));
-      cols.forEach(function (c) { head.appendChild(el('th', '', c)); });
-      table.appendChild(head);
-      s.X.forEach(function (r, i) {
-        var tr = el('tr');
-        tr.appendChild(el('th', '', s.words[i]));
-        r.forEach(function (x) { tr.appendChild(el('td', '', x === 0 ? '\u00b7' : String(x))); });
-        table.appendChild(tr);
-      });
-      box.appendChild(table);
-    });
-  }
-
-  // --- state <-> URL hash ------------------------------------------------------------------------
-  function readHash() {
-    var params = {};
-    location.hash.replace(/^#/, '').split('&').forEach(function (kv) {
-      var i = kv.indexOf('=');
-      if (i > 0) params[decodeURIComponent(kv.slice(0, i))] = decodeURIComponent(kv.slice(i + 1));
-    });
-    if (params.last === 'tired' || params.last === 'wide') state.last = params.last;
-    if (params.layer === '1' || params.layer === '2') state.layer = Number(params.layer);
-    if (params.step !== undefined && /^\d+$/.test(params.step)) state.step = Number(params.step);
-    if (params.word !== undefined) {
-      var words = data.sentences[state.last].words;
-      var k = words.indexOf(params.word);
-      if (k < 0) k = words.map(function (w) { return w.toLowerCase(); }).indexOf(params.word.toLowerCase());
-      if (k < 0 && /^\d+$/.test(params.word) && Number(params.word) < words.length) k = Number(params.word);
-      state.word = k < 0 ? null : k;
+  filled.append(page.substr(at));
+  for (std::size_t k = 0; k < fills.size(); ++k) {
+    if (!used[k]) {
+      throw std::logic_error("page template: no marker {{" + std::string(fills[k].first) + "}}");
     }
   }
-  function writeHash() {
-    var words = data.sentences[state.last].words;
-    var parts = [];
-    if (state.word !== null) parts.push('word=' + encodeURIComponent(words[state.word]));
-    parts.push('last=' + state.last, 'layer=' + state.layer, 'step=' + state.step);
-    try { history.replaceState(null, '', '#' + parts.join('&')); } catch (e) { /* file: URLs */ }
-  }
-  function update() { renderToggles(); renderWords(); renderStep(); writeHash(); }
-
-  ['tired', 'wide'].forEach(function (w) {
-    $('last-' + w).addEventListener('click', function () { state.last = w; update(); });
-  });
-  [1, 2].forEach(function (l) {
-    $('layer-' + l).addEventListener('click', function () { state.layer = l; update(); });
-  });
-  $('step-prev').addEventListener('click', function () { state.step -= 1; update(); });
-  $('step-next').addEventListener('click', function () { state.step += 1; update(); });
-  window.addEventListener('hashchange', function () { readHash(); renderToggles(); renderWords(); renderStep(); });
-  $('library').textContent = data.library;
-  readHash();
-  renderEmbeddings();
-  renderToggles();
-  renderWords();
-  renderStep();
-  document.body.setAttribute('data-ready', 'true');
-})();
-)JS";
+  return filled;
 }
+
+}  // namespace detail
 
 /// The whole page: one self-contained HTML file (inline CSS, inline script, the data as inline
-/// JSON; no network, no external resources), openable from a local file.
+/// JSON; no network, no external resources), openable from a local file. Its HTML, style sheet
+/// and script are the files page/page.html, page/page.css and page/page.js, embedded at build
+/// time (page/CMakeLists.txt); the script reads the JSON of `page_data_json`, builds the clickable
+/// words and the step-through, and keeps the state in the URL hash
+/// (`#word=it&last=tired&layer=2&step=0`).
 inline std::string attention_page_html() {
-  std::string html = R"HTML(<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>Self-attention, click a word (attn)</title>
-<style>)HTML";
-  html += page_css();
-  html += R"HTML(</style>
-</head>
-<body>
-<main>
-<h1>Self-attention in action</h1>
-<p class="illustrative" id="illustrative"><strong>Illustrative weights, not a trained model.</strong>
-The embeddings and projection matrices are small and set by hand, so that the example tells the
-document&#39;s story. Every weight on this page was computed by the <span id="library">attn</span>
-library when the page was generated (<code>attn-walkthrough --html</code>) and is embedded in it;
-nothing is typed in.</p>
-
-<section id="click">
-<h2>Click a word</h2>
-<p>Click any word to see how much attention it pays to each word. Then switch the last word between
-<em>tired</em> and <em>wide</em> and look at <em>it</em> again.</p>
-<div class="controls">
-  <span>Last word: <button type="button" class="toggle" id="last-tired">tired</button><button
-    type="button" class="toggle" id="last-wide">wide</button></span>
-  <span>Layer: <button type="button" class="toggle" id="layer-1">1</button><button
-    type="button" class="toggle" id="layer-2">2</button></span>
-</div>
-<div id="sentence" class="sentence" aria-live="polite"></div>
-<p id="readout"></p>
-<div id="bars" class="bars"></div>
-<p class="explain">Why two layers? In one layer, <em>it</em> compares its own query with every
-word&#39;s key, and switching <em>tired</em> to <em>wide</em> changes only the last word&#39;s key:
-one layer could not move <em>it</em> from <em>animal</em> to <em>street</em>. Here layer 1 lets
-<em>it</em> read the adjective (it attends to <em>tired</em> or <em>wide</em> and adds that
-word&#39;s value to its own vector), and in layer 2 the query of <em>it</em> asks for
-&ldquo;something that gets tired&rdquo; or &ldquo;something that is wide&rdquo;, which the key of
-<em>animal</em> or <em>street</em> answers. Words without such features have zero queries and
-attend evenly.</p>
-<details><summary>The hand-set embeddings (one feature per column)</summary>
-<div id="embeddings"></div></details>
-</section>
-
-<section id="steps">
-<h2>Step through the 3-token example</h2>
-<div class="step-nav"><button type="button" id="step-prev">&larr; Previous</button><button
-  type="button" id="step-next">Next &rarr;</button><span id="step-title"></span></div>
-<p id="step-text" class="explain"></p>
-<div id="step-tables"></div>
-<p class="explain">These numbers come from <code>attn::trace_attention</code>, which keeps every
-intermediate table of the calculation.</p>
-</section>
-</main>
-)HTML";
-  html += page_data_open();
-  html += page_data_json();
-  html += "</script>\n<script>";
-  html += page_js();
-  html += "</script>\n</body>\n</html>\n";
-  return html;
+  const std::string data = page_data_json();
+  return detail::fill_markers(
+      page_files::page_html,
+      {{"page.css", page_files::page_css}, {"page.js", page_files::page_js}, {"data", data}});
 }
 
 }  // namespace attn_examples

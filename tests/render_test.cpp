@@ -478,6 +478,22 @@ TEST(RenderHtml, PageIsSelfContainedAndSaysTheWeightsAreIllustrative) {
   }
   EXPECT_NE(html.find("id=\"sentence\""), std::string::npos);
   EXPECT_NE(html.find("data-most-attended"), std::string::npos);
+  // Every marker of examples/page/page.html was filled, and the embedded files are all there.
+  EXPECT_EQ(html.find("{{"), std::string::npos);
+  EXPECT_NE(html.find(attn_examples::page_files::page_css), std::string::npos);
+  EXPECT_NE(html.find(attn_examples::page_files::page_js), std::string::npos);
+}
+
+TEST(RenderHtml, PageTemplateMarkers) {
+  using attn_examples::detail::fill_markers;
+  // A marker alone on its line takes the line's end with it; one inside a line does not.
+  EXPECT_EQ(fill_markers("<style>\n{{css}}\n</style>", {{"css", "a {}\n"}}),
+            "<style>\na {}\n</style>");
+  EXPECT_EQ(fill_markers("<p>{{x}}</p>\n", {{"x", "{{y}}"}}), "<p>{{y}}</p>\n");  // not rescanned
+  EXPECT_EQ(fill_markers("{{x}}\n{{x}}", {{"x", "1\n"}}), "1\n1\n");  // a file: its own line end
+  EXPECT_THROW(fill_markers("{{unknown}}", {}), std::logic_error);
+  EXPECT_THROW(fill_markers("{{open", {{"open", ""}}), std::logic_error);
+  EXPECT_THROW(fill_markers("no markers", {{"x", "1"}}), std::logic_error);
 }
 
 }  // namespace
