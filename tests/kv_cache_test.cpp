@@ -23,6 +23,8 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "test_support.hpp"
@@ -60,17 +62,18 @@ LMatrix full_attention(const attn::Matrix<T>& Q, const attn::Matrix<T>& K, const
 }
 
 /// Feeds the rows of K and V (and Q) to `cache` in chunks; returns the stacked outputs.
-/// `options`: `AttentionOptions` (shared by the heads) or `MultiHeadOptions` (per-head values).
-template <class T, class Options = attn::AttentionOptions<T>>
+/// `options` are shared by the heads, `per_head` holds the per-head values.
+template <class T>
 attn::Matrix<T> decode(KVCache<T>& cache, const attn::Matrix<T>& Q, const attn::Matrix<T>& K,
                        const attn::Matrix<T>& V, const std::vector<Index>& chunks,
-                       const Options& options = {}, Index d_out = 0) {
+                       const attn::AttentionOptions<T>& options = {}, Index d_out = 0,
+                       const attn::HeadOptions<T>& per_head = {}) {
   attn::Matrix<T> out(Q.rows(), d_out > 0 ? d_out : V.cols());
   Index t = 0;
   for (std::size_t c = 0; t < Q.rows(); ++c) {
     const Index r = std::min(chunks[c % chunks.size()], Q.rows() - t);
     cache.append(K.middleRows(t, r), V.middleRows(t, r));
-    out.middleRows(t, r) = cache.attend(Q.middleRows(t, r), options);
+    out.middleRows(t, r) = cache.attend(Q.middleRows(t, r), options, per_head);
     t += r;
   }
   return out;
@@ -164,7 +167,7 @@ TEST(KVCacheMemory, BoundedOver100000TokensWithAWindow) {
   config.d_k = 4;
   config.d_v = 3;
   config.window = w;
-  config.sink_tokens = sinks;
+  config.pinned_tokens = sinks;
   KVCache<T> cache(config);
   std::mt19937 rng(4);
   const attn::Matrix<T> K = attn_test::random_matrix<T>(total, 4, rng);
@@ -216,7 +219,7 @@ TYPED_TEST(KVCacheTest, SinkTokensStayVisible) {
   config.d_k = 8;
   config.d_v = 4;
   config.window = w;
-  config.sink_tokens = sinks;
+  config.pinned_tokens = sinks;
   for (const std::vector<Index>& chunks :
        {std::vector<Index>{1}, std::vector<Index>{4}, std::vector<Index>{1, 6, 2}}) {
     KVCache<T> cache(config);
@@ -247,7 +250,7 @@ TYPED_TEST(KVCacheTest, RopeAtAppendEqualsRopeOnTheWholeSequence) {
   config.d_v = d_v;
   config.kv_heads = kv_heads;
   config.window = 5;
-  config.sink_tokens = 1;
+  config.pinned_tokens = 1;
   config.rope = RopeStyle::Half;
   config.rope_options.rotary_dim = 6;
   config.rope_options.base = T(100);
@@ -361,13 +364,14 @@ TYPED_TEST(KVCacheTest, PerHeadSlopesAndSinksEqualPerHeadAttention) {
   const attn::Matrix<T> Q = attn_test::random_matrix<T>(n, heads * d, rng);
   const attn::Matrix<T> K = attn_test::random_matrix<T>(n, kv_heads * d, rng);
   const attn::Matrix<T> V = attn_test::random_matrix<T>(n, kv_heads * d_v, rng);
-  attn::MultiHeadOptions<T> options;
-  options.alibi_slopes = std::vector<T>{T(0.5), T(0.125), T(0), T(1)};
-  options.sinks = std::vector<T>{T(0.5), T(-1), T(2), -std::numeric_limits<T>::infinity()};
+  attn::AttentionOptions<T> options;
+  attn::HeadOptions<T> per_head;
+  per_head.alibi_slopes = std::vector<T>{T(0.5), T(0.125), T(0), T(1)};
+  per_head.sinks = std::vector<T>{T(0.5), T(-1), T(2), -std::numeric_limits<T>::infinity()};
   options.softcap = T(4);  // a shared option beside the per-head ones
   struct Setting {
     std::optional<Index> window;
-    Index sink_tokens;
+    Index pinned_tokens;
     std::optional<RopeStyle> rope;
   };
   const Setting settings[] = {{std::nullopt, 0, std::nullopt},
@@ -380,15 +384,15 @@ TYPED_TEST(KVCacheTest, PerHeadSlopesAndSinksEqualPerHeadAttention) {
     config.d_v = d_v;
     config.kv_heads = kv_heads;
     config.window = setting.window;
-    config.sink_tokens = setting.sink_tokens;
+    config.pinned_tokens = setting.pinned_tokens;
     config.rope = setting.rope;
     const std::string where = std::string(setting.window ? "window" : "no window") + ", " +
-                              std::to_string(setting.sink_tokens) + " sink tokens" +
+                              std::to_string(setting.pinned_tokens) + " pinned tokens" +
                               (setting.rope ? ", RoPE" : "");
     for (const std::vector<Index>& chunks :
          {std::vector<Index>{1}, std::vector<Index>{4, 1, 7, 3}}) {
       KVCache<T> cache(config);
-      const attn::Matrix<T> out = decode(cache, Q, K, V, chunks, options, heads * d_v);
+      const attn::Matrix<T> out = decode(cache, Q, K, V, chunks, options, heads * d_v, per_head);
       for (Index h = 0; h < heads; ++h) {
         const Index kv = h / 2;
         attn::Matrix<T> Q_h = Q.middleCols(h * d, d);
@@ -402,13 +406,13 @@ TYPED_TEST(KVCacheTest, PerHeadSlopesAndSinksEqualPerHeadAttention) {
         // window) or, with sink tokens, as a mask.
         attn::AttentionOptions<T> single;
         single.softcap = options.softcap;
-        single.alibi_slope = (*options.alibi_slopes)[static_cast<std::size_t>(h)];
-        single.sink = (*options.sinks)[static_cast<std::size_t>(h)];
-        if (setting.sink_tokens == 0) {
+        single.alibi_slope = (*per_head.alibi_slopes)[static_cast<std::size_t>(h)];
+        single.sink = (*per_head.sinks)[static_cast<std::size_t>(h)];
+        if (setting.pinned_tokens == 0) {
           single.causal = Causal::BottomRight;
           single.window = setting.window;
         } else {
-          single.mask = visible(n, setting.window, setting.sink_tokens);
+          single.mask = visible(n, setting.window, setting.pinned_tokens);
         }
         const attn::Matrix<T> library = attn::scaled_dot_product_attention(Q_h, K_kv, V_kv, single);
         const LMatrix naive = attn_test::naive_attention<T>(Q_h, K_kv, V_kv, single).output;
@@ -418,14 +422,14 @@ TYPED_TEST(KVCacheTest, PerHeadSlopesAndSinksEqualPerHeadAttention) {
             << "head " << h << ", " << where << ", first chunk " << chunks[0];
       }
       // The last query again, through the three entry points: the same call, the same bits.
-      const attn::Matrix<T> last = cache.attend(Q.bottomRows(1), options);
+      const attn::Matrix<T> last = cache.attend(Q.bottomRows(1), options, per_head);
       EXPECT_TRUE(attn_test::near_t<T>(last, out.bottomRows(1))) << where;
       attn::Matrix<T> into;
-      cache.attend(Q.bottomRows(1), options, into);
+      cache.attend(Q.bottomRows(1), options, per_head, into);
       EXPECT_TRUE(attn_test::identical(into, last)) << where;
       attn::Tensor3<T> Q_t(heads, 1, d);
       for (Index h = 0; h < heads; ++h) attn::detail::slice(Q_t, h) = Q.block(n - 1, h * d, 1, d);
-      const attn::Tensor3<T> last_t = cache.attend_heads(Q_t, options);
+      const attn::Tensor3<T> last_t = cache.attend_heads(Q_t, options, per_head);
       for (Index h = 0; h < heads; ++h) {
         EXPECT_TRUE(attn_test::identical(attn::Matrix<T>(attn::detail::slice(last_t, h)),
                                          attn::Matrix<T>(last.middleCols(h * d_v, d_v))))
@@ -447,19 +451,29 @@ TYPED_TEST(KVCacheTest, EqualPerHeadValuesEqualTheSharedOnes) {
   config.d_v = 4;
   attn::AttentionOptions<T> shared;  // one query, a sink, no ALiBi: the stacked decoding kernel
   shared.sink = T(0.75);
-  attn::MultiHeadOptions<T> per_head;  // the per-head kernel path, with the same values
+  attn::HeadOptions<T> per_head;  // the per-head kernel path, with the same values
   per_head.sinks = std::vector<T>(3, T(0.75));
   KVCache<T> a(config);
   KVCache<T> b(config);
-  EXPECT_TRUE(attn_test::near_t<T>(decode(b, Q, K, V, {1}, per_head, 12),
+  EXPECT_TRUE(attn_test::near_t<T>(decode(b, Q, K, V, {1}, {}, 12, per_head),
                                    decode(a, Q, K, V, {1}, shared, 12)));
   shared.alibi_slope = T(0.25);
   per_head.alibi_slopes = std::vector<T>(3, T(0.25));
+  attn::AttentionOptions<T> none;
   KVCache<T> c(config);
   KVCache<T> e(config);
-  EXPECT_TRUE(attn_test::near_t<T>(decode(e, Q, K, V, {2, 3}, per_head, 12),
+  EXPECT_TRUE(attn_test::near_t<T>(decode(e, Q, K, V, {2, 3}, none, 12, per_head),
                                    decode(c, Q, K, V, {2, 3}, shared, 12)));
 }
+
+/// Whether `KVCache<float>::attend(Q, options)` compiles for this options type.
+template <class Options, class = void>
+struct can_attend : std::false_type {};
+template <class Options>
+struct can_attend<Options,
+                  std::void_t<decltype(std::declval<const KVCache<float>&>().attend(
+                      std::declval<const attn::Matrix<float>&>(), std::declval<const Options&>()))>>
+    : std::true_type {};
 
 TEST(KVCacheErrors, PerHeadSlopesAndSinks) {
   KVCacheConfig<float> config;
@@ -469,48 +483,48 @@ TEST(KVCacheErrors, PerHeadSlopesAndSinks) {
   KVCache<float> cache(config);
   cache.append(attn::Matrix<float>::Zero(3, 8), attn::Matrix<float>::Zero(3, 6));
   const attn::Matrix<float> q = attn::Matrix<float>::Zero(1, 16);  // 4 query heads
-  attn::MultiHeadOptions<float> options;
-  const auto attend = [&] { cache.attend(q, options); };
-  options.alibi_slopes = std::vector<float>(3, 0.5f);
+  attn::AttentionOptions<float> options;
+  attn::HeadOptions<float> per_head;
+  const auto attend = [&] { cache.attend(q, options, per_head); };
+  per_head.alibi_slopes = std::vector<float>(3, 0.5f);
   expect_shape_error(attend, {"KVCache::attend", "alibi_slopes has 3 entries", "4 query heads"});
-  options.alibi_slopes = std::vector<float>(5, 0.5f);
+  per_head.alibi_slopes = std::vector<float>(5, 0.5f);
   expect_shape_error(attend, {"alibi_slopes has 5 entries", "4 query heads"});
-  options.alibi_slopes.reset();
-  options.sinks = std::vector<float>(2, 0.0f);
+  per_head.alibi_slopes.reset();
+  per_head.sinks = std::vector<float>(2, 0.0f);
   expect_shape_error(attend, {"KVCache::attend", "sinks has 2 entries", "4 query heads"});
   attn::Tensor3<float> Q_t(4, 1, 4);
   Q_t.setZero();
-  expect_shape_error([&] { cache.attend_heads(Q_t, options); },
+  expect_shape_error([&] { cache.attend_heads(Q_t, options, per_head); },
                      {"sinks has 2 entries", "4 query heads"});
-  options.sinks.reset();
+  per_head.sinks.reset();
   for (const float bad :
        {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
         -std::numeric_limits<float>::infinity()}) {
-    options.alibi_slopes = std::vector<float>{0.5f, bad, 0.5f, 0.5f};
+    per_head.alibi_slopes = std::vector<float>{0.5f, bad, 0.5f, 0.5f};
     expect_shape_error(attend, {"KVCache::attend", "alibi_slopes holds", "slopes must be finite"});
   }
-  options.alibi_slopes.reset();
+  per_head.alibi_slopes.reset();
   for (const float bad :
        {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
-    options.sinks = std::vector<float>{0.0f, 0.0f, 0.0f, bad};
+    per_head.sinks = std::vector<float>{0.0f, 0.0f, 0.0f, bad};
     expect_shape_error(attend, {"sinks holds", "sinks must be numbers below +inf"});
   }
-  options.sinks = std::vector<float>(4, 0.0f);
+  per_head.sinks = std::vector<float>(4, 0.0f);
   options.sink = 1.0f;
   expect_shape_error(attend, {"KVCache::attend", "set sinks or sink, not both"});
-  options.sinks.reset();
+  per_head.sinks.reset();
   options.sink.reset();
-  options.alibi_slopes = std::vector<float>(4, 0.5f);
+  per_head.alibi_slopes = std::vector<float>(4, 0.5f);
   options.alibi_slope = 0.5f;
   expect_shape_error(attend, {"set alibi_slopes or alibi_slope, not both"});
   options.alibi_slope.reset();
-  options.key_valid = Mask::Constant(1, 3, true);
-  expect_shape_error(attend, {"KVCache::attend", "key_valid", "1 x 3"});
-  options.key_valid.reset();
-  options.need_weights = true;
-  expect_shape_error(attend, {"need_weights"});
-  options.need_weights = false;
-  cache.attend(q, options);  // valid again
+  // key_valid and need_weights are MultiHeadOptions fields: `attend` refuses that type at compile
+  // time instead of cutting it down (and `{}` still means "no options").
+  static_assert(!can_attend<attn::MultiHeadOptions<float>>::value);
+  static_assert(can_attend<attn::AttentionOptions<float>>::value);
+  EXPECT_TRUE(attn_test::identical(cache.attend(q, {}), cache.attend(q)));
+  cache.attend(q, options, per_head);  // valid again
 }
 
 TEST(KVCacheErrors, ShapesAndPositions) {

@@ -12,16 +12,21 @@
 ///
 /// Conventions: one row per token; `Q = X W_Q` with `W_Q` of shape (d_in, d_k); boolean masks mean
 /// `true` = may attend; a query that may attend nothing gets zero weights and a zero output.
+///
+/// This header brings the library only. Pictures of attention tables (SVG and terminal heatmaps,
+/// which need `<cstdio>`, `<locale>` and the platform's `isatty`) are one include away:
+/// `#include <attn/render.hpp>`.
 
 #include "attention.hpp"
 #include "error.hpp"
 #include "flash.hpp"
+#include "heads.hpp"
 #include "kv_cache.hpp"
+#include "kv_store.hpp"
 #include "mask.hpp"
 #include "multi_head.hpp"
 #include "positional.hpp"
 #include "projection.hpp"
-#include "render.hpp"
 #include "scores.hpp"
 #include "softmax.hpp"
 #include "tensor.hpp"

@@ -81,6 +81,11 @@ void require_table(const char* function, const char* name, const M& table, Index
   }
 }
 
+/// Requires a size of at least 1.
+inline void require_positive_size(const char* function, const char* name, Index value) {
+  if (value <= 0) fail(function, name, " must be at least 1, got ", value);
+}
+
 /// Requires at least one column (d_k or d_in > 0).
 template <class M>
 void require_width(const char* function, const char* name, const M& a) {

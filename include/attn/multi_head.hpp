@@ -1,19 +1,23 @@
 #pragma once
 /// \file multi_head.hpp
-/// Several heads: `attention_heads` on (heads, seq, features) tensors (MHA, GQA, MQA), and the
-/// `MultiHeadAttention` layer with PyTorch-compatible weights.
+/// The `MultiHeadAttention` layer (Vaswani et al. 2017) with PyTorch `nn.MultiheadAttention`
+/// semantics and weight loading; its heads go through the core of `heads.hpp`.
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <random>
 #include <string>
 #include <type_traits>
 #include <vector>
 
-#include "attention.hpp"
+#include "detail/online_softmax.hpp"
+#include "detail/paths.hpp"
+#include "detail/score_rule.hpp"
 #include "error.hpp"
-#include "mask.hpp"
+#include "heads.hpp"
+#include "projection.hpp"
 #include "scores.hpp"
 #include "tensor.hpp"
 #include "threads.hpp"
@@ -21,25 +25,6 @@
 
 namespace attn {
 namespace detail {
-
-/// Checks (h_q, n, d), (h_kv, m, d), (h_kv, m, d_v) head tensors.
-template <class T>
-void check_heads(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
-                 const AttentionOptions<T>& options) {
-  const char* function = "attention_heads";
-  const auto mismatch = [&](const char* what) {
-    fail(function, what, " (Q is ", dims_of(Q), ", K is ", dims_of(K), ", V is ", dims_of(V),
-         "; heads x tokens x features)");
-  };
-  if (K.dimension(0) == 0 || Q.dimension(0) % K.dimension(0) != 0) {
-    mismatch("the query heads must be a multiple of the key/value heads (at least 1)");
-  }
-  if (V.dimension(0) != K.dimension(0)) mismatch("K and V must have the same number of heads");
-  if (V.dimension(1) != K.dimension(1)) mismatch("K and V must have the same number of tokens");
-  if (Q.dimension(2) == 0) mismatch("Q has 0 features: d_k must be at least 1");
-  if (K.dimension(2) != Q.dimension(2)) mismatch("Q and K must have the same number of features");
-  check_options(function, options, Q.dimension(1), K.dimension(1));
-}
 
 /// Uniform numbers in [0, 1) from a 64-bit Mersenne twister, identical on every platform (the
 /// standard distributions are not).
@@ -65,30 +50,6 @@ Matrix<T> xavier_uniform(Index fan_in, Index fan_out, UniformSource& source) {
 
 }  // namespace detail
 
-/// Attention over several heads at once.
-/// \param Q        (h_q, n, d_k): query heads
-/// \param K        (h_kv, m, d_k): key heads, with h_q % h_kv == 0
-/// \param V        (h_kv, m, d_v): value heads
-/// \param options  applied to every head (mask and bias are n x m, shared by the heads)
-/// \returns (h_q, n, d_v). Query head h uses key/value head h / (h_q / h_kv): multi-head attention
-///          when h_kv == h_q, grouped-query attention when fewer, multi-query when h_kv == 1.
-///          Keys and values are never copied per query head.
-/// \throws shape_error on mismatched shapes or invalid options.
-template <class T>
-Tensor3<T> attention_heads(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
-                           const AttentionOptions<detail::identity_t<T>>& options = {}) {
-  detail::check_heads(Q, K, V, options);
-  const Index heads = Q.dimension(0);
-  const Index group = heads / K.dimension(0);
-  Tensor3<T> out(heads, Q.dimension(1), V.dimension(2));
-  detail::parallel_for<Matrix<T>>(heads, [&](Index h, Matrix<T>& P) {
-    const Index kv = h / group;
-    detail::head_attention<T>(detail::slice(Q, h), detail::slice(K, kv), detail::slice(V, kv),
-                              options, P, detail::slice(out, h));
-  });
-  return out;
-}
-
 /// The shape of a `MultiHeadAttention` layer.
 struct MultiHeadConfig {
   Index embed_dim;             ///< E: width of the queries and of the output
@@ -101,92 +62,15 @@ struct MultiHeadConfig {
   bool add_zero_attn = false;  ///< PyTorch's add_zero_attn: a zero key/value row appended
 };
 
-/// Options of a multi-head call: those of every head, plus padding and weight output.
+/// Options of a multi-head call: those of every head, plus padding, weight output and the values
+/// that differ per head.
 template <class T>
 struct MultiHeadOptions : AttentionOptions<T> {
   std::optional<Mask> key_valid;  ///< (batch, m): true = a real key, false = padding
   bool need_weights = false;      ///< also return attention weights
   bool average_weights = true;    ///< weights averaged over heads (PyTorch's default)
-  /// One ALiBi slope per query head (see `alibi_slopes(heads)`), instead of `alibi_slope`.
-  std::optional<std::vector<T>> alibi_slopes;
-  /// One sink logit per query head (gpt-oss's learned per-head sinks), instead of `sink`.
-  std::optional<std::vector<T>> sinks;
+  HeadOptions<T> per_head;        ///< per-head ALiBi slopes, sinks, (heads, n, m) masks and biases
 };
-
-namespace detail {
-
-/// Checks per-head slopes and sinks: one per query head, finite slopes, sinks below +inf, and not
-/// together with the shared scalar of the same kind.
-template <class T>
-void check_head_values(const char* function, const MultiHeadOptions<T>& options, Index heads) {
-  const auto check = [&](const std::optional<std::vector<T>>& values, const char* name,
-                         bool shared_set, const char* shared_name, bool sink) {
-    if (!values) return;
-    if (static_cast<Index>(values->size()) != heads) {
-      fail(function, name, " has ", values->size(), " entries but there are ", heads,
-           " query heads");
-    }
-    if (shared_set) fail(function, "set ", name, " or ", shared_name, ", not both");
-    for (const T v : *values) {
-      if (sink ? (std::isnan(v) || v > std::numeric_limits<T>::max()) : !std::isfinite(v)) {
-        fail(function, name, " holds ", v,
-             sink ? ": sinks must be numbers below +inf" : ": slopes must be finite");
-      }
-    }
-  };
-  check(options.alibi_slopes, "alibi_slopes", options.alibi_slope.has_value(), "alibi_slope",
-        false);
-  check(options.sinks, "sinks", options.sink.has_value(), "sink", true);
-}
-
-/// Per-thread scratch of a loop over heads: the weights table, and a copy of the options that
-/// only the per-head scalars (slope, sink) change from head to head.
-template <class T>
-struct HeadScratch {
-  Matrix<T> P;
-  const AttentionOptions<T>* copied_from = nullptr;
-  AttentionOptions<T> options;
-};
-
-/// The options of query head h: `base` itself, or (with per-head slopes or sinks) the thread's
-/// copy of it with head h's values. The copy is made once per thread and per `base`.
-template <class T>
-const AttentionOptions<T>& head_options(const AttentionOptions<T>& base,
-                                        const MultiHeadOptions<T>& per_head, Index h,
-                                        HeadScratch<T>& scratch) {
-  if (!per_head.alibi_slopes && !per_head.sinks) return base;
-  if (scratch.copied_from != &base) {
-    scratch.options = base;
-    scratch.copied_from = &base;
-  }
-  const auto i = static_cast<std::size_t>(h);
-  if (per_head.alibi_slopes) scratch.options.alibi_slope = (*per_head.alibi_slopes)[i];
-  if (per_head.sinks) scratch.options.sink = (*per_head.sinks)[i];
-  return scratch.options;
-}
-
-}  // namespace detail
-
-/// `attention_heads` with per-head ALiBi slopes and sinks (`options.alibi_slopes`,
-/// `options.sinks`, one per query head); `key_valid` and the weight flags are not used here.
-/// \throws shape_error as `attention_heads`, or if a per-head list has the wrong length.
-template <class T>
-Tensor3<T> attention_heads(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
-                           const MultiHeadOptions<detail::identity_t<T>>& options) {
-  const AttentionOptions<T>& shared = options;
-  detail::check_heads(Q, K, V, shared);
-  detail::check_head_values("attention_heads", options, Q.dimension(0));
-  const Index heads = Q.dimension(0);
-  const Index group = heads / K.dimension(0);
-  Tensor3<T> out(heads, Q.dimension(1), V.dimension(2));
-  detail::parallel_for<detail::HeadScratch<T>>(heads, [&](Index h, detail::HeadScratch<T>& s) {
-    const Index kv = h / group;
-    detail::head_attention<T>(detail::slice(Q, h), detail::slice(K, kv), detail::slice(V, kv),
-                              detail::head_options(shared, options, h, s), s.P,
-                              detail::slice(out, h));
-  });
-  return out;
-}
 
 /// The output of `MultiHeadAttention::forward` on a batch.
 template <class T>
@@ -201,15 +85,27 @@ struct MultiHeadResult {
 /// nothing on this side (the per-thread score tables of the heads aside).
 template <class T>
 struct MultiHeadWorkspace {
-  Matrix<T> Q;                     ///< (batch n, heads head_dim) projected queries
-  Matrix<T> K;                     ///< (batch m, kv_heads head_dim) projected keys
-  Matrix<T> V;                     ///< (batch m, kv_heads head_dim) projected values
-  Matrix<T> concat;                ///< (batch n, heads head_dim) the heads' outputs side by side
-  std::vector<Matrix<T>> K_items;  ///< per batch item, with add_bias_kv / add_zero_attn rows
-  std::vector<Matrix<T>> V_items;  ///< idem for the values
-  std::vector<AttentionOptions<T>> item_options;  ///< per batch item (key padding, extra rows)
-  Tensor4<T> per_head;                            ///< (batch, heads, n, m') weights to average
+  Matrix<T> Q;          ///< (batch n, heads head_dim) projected queries
+  Matrix<T> K;          ///< (batch m, kv_heads head_dim) projected keys
+  Matrix<T> V;          ///< (batch m, kv_heads head_dim) projected values
+  Matrix<T> concat;     ///< (batch n, heads head_dim) the heads' outputs side by side
+  Matrix<T> K_extra;    ///< (extra, kv_heads head_dim): add_bias_kv / add_zero_attn keys
+  Matrix<T> V_extra;    ///< (extra, kv_heads head_dim): their values
+  Tensor4<T> per_head;  ///< (batch, heads, n, m') weights to average
 };
+
+namespace detail {
+
+/// Per-thread working memory of the layer's loop over (batch item, head).
+template <class T>
+struct LayerScratch {
+  PathScratch<T> path;  ///< the head's path (its weights in path.P when they are wanted)
+  Matrix<T> P_extra;    ///< n x extra weights of the appended keys
+  Matrix<T> O_extra;    ///< n x head_dim output over the appended keys
+  Vector<T> lse, lse_extra;
+};
+
+}  // namespace detail
 
 /// Multi-head attention (Vaswani et al. 2017), in the documents' convention `Q = X W_Q`, with
 /// PyTorch `nn.MultiheadAttention` semantics and weight loading.
@@ -338,7 +234,7 @@ class MultiHeadAttention {
   /// \param workspace  working memory, any state (see `MultiHeadWorkspace`)
   /// \param result     overwritten like the value `forward` returns; fields not asked for are
   ///                   left empty
-  /// 	hrows shape_error as `forward`.
+  /// \throws shape_error as `forward`.
   void forward(const Tensor3<T>& query, const Tensor3<T>& key, const Tensor3<T>& value,
                const MultiHeadOptions<T>& options, MultiHeadWorkspace<T>& workspace,
                MultiHeadResult<T>& result) const {
@@ -354,46 +250,69 @@ class MultiHeadAttention {
     project_into(detail::flatten(key), W_K, b_K, ws.K);
     project_into(detail::flatten(value), W_V, b_V, ws.V);
 
-    // 2. Each (batch item, head) in parallel: scores, softmax, weighted values written straight
-    //    into the item's rows and the head's columns of the concatenated heads.
+    // 2. Each (batch item, head) in parallel, on the path `detail::choose_path` picks, written
+    //    straight into the item's rows and the head's columns of the concatenated heads. Key
+    //    padding is the rule's key_valid row of the item. PyTorch's appended keys (add_bias_kv,
+    //    add_zero_attn) are seen by every query: they are a second block of keys, merged with
+    //    the first by log-sum-exp (`detail::merge_partial`); the sink is added once after it.
     const Index extra = (config_.add_bias_kv ? 1 : 0) + (config_.add_zero_attn ? 1 : 0);
     const Index keys = m + extra;
     const Index hd = head_dim();
     const Index heads = config_.num_heads;
     const Index group = heads / config_.num_kv_heads;
-    const auto items = static_cast<std::size_t>(extra > 0 ? batch : 0);
-    ws.item_options.clear();
-    ws.K_items.resize(items);
-    ws.V_items.resize(items);
-    for (Index b = 0; b < batch; ++b) {
-      ws.item_options.push_back(options_for_item(options, b, n, m));
-      if (extra > 0) {
-        extended(ws.K.middleRows(b * m, m), bias_k, ws.K_items[static_cast<std::size_t>(b)]);
-        extended(ws.V.middleRows(b * m, m), bias_v, ws.V_items[static_cast<std::size_t>(b)]);
-      }
+    if (extra > 0) {
+      extra_rows(bias_k, ws.K_extra);
+      extra_rows(bias_v, ws.V_extra);
     }
     Tensor4<T>& per_head = options.average_weights ? ws.per_head : result.head_weights;
     if (options.need_weights) per_head.resize(batch, heads, n, keys);
     ws.concat.resize(batch * n, heads * hd);
-    detail::parallel_for<detail::HeadScratch<T>>(batch * heads, [&](Index bh,
-                                                                    detail::HeadScratch<T>& s) {
-      Matrix<T>& P = s.P;
-      const Index b = bh / heads;
-      const Index h = bh % heads;
-      const Index kv = h / group;
-      const auto item = static_cast<std::size_t>(b);
-      const detail::ConstRef<T> K_b = extra > 0 ? detail::ConstRef<T>(ws.K_items[item])
-                                                : detail::ConstRef<T>(ws.K.middleRows(b * m, m));
-      const detail::ConstRef<T> V_b = extra > 0 ? detail::ConstRef<T>(ws.V_items[item])
-                                                : detail::ConstRef<T>(ws.V.middleRows(b * m, m));
-      detail::head_attention<T>(ws.Q.block(b * n, h * hd, n, hd), K_b.middleCols(kv * hd, hd),
-                                V_b.middleCols(kv * hd, hd),
-                                detail::head_options(ws.item_options[item], options, h, s), P,
-                                ws.concat.block(b * n, h * hd, n, hd), options.need_weights);
-      if (options.need_weights) {
-        Eigen::Map<Matrix<T>>(per_head.data() + bh * n * keys, n, keys) = P;
-      }
-    });
+    const detail::ScoreRule<T> shared = detail::make_rule<T>(options, n, m, hd);
+    detail::parallel_for<detail::LayerScratch<T>>(
+        n > 0 ? batch * heads : 0, [&](Index bh, detail::LayerScratch<T>& s) {
+          const Index b = bh / heads;
+          const Index h = bh % heads;
+          const Index kv = h / group;
+          detail::ScoreRule<T> rule =
+              options.per_head.any() ? detail::head_rule(shared, options.per_head, h) : shared;
+          if (options.key_valid) rule.key_valid = {options.key_valid->data() + b * m, 0};
+          const std::optional<T> sink = rule.sink;
+          if (extra > 0) rule.sink.reset();
+          const detail::ConstRef<T> q = ws.Q.block(b * n, h * hd, n, hd);
+          Eigen::Ref<Matrix<T>> o = ws.concat.block(b * n, h * hd, n, hd);
+          if (extra > 0) s.lse.setConstant(n, -std::numeric_limits<T>::infinity());
+          if (m > 0) {
+            detail::run_path<T>(detail::choose_path(rule, hd, hd, options.need_weights), q,
+                                ws.K.block(b * m, kv * hd, m, hd),
+                                ws.V.block(b * m, kv * hd, m, hd), rule, s.path, o,
+                                extra > 0 ? s.lse.data() : nullptr);
+          } else {
+            o.setZero();  // no key: a zero row (and no view into the empty K and V)
+          }
+          Eigen::Map<Matrix<T>> weights(
+              options.need_weights ? per_head.data() + bh * n * keys : nullptr, n, keys);
+          if (options.need_weights && m > 0) weights.leftCols(m) = s.path.P;
+          if (extra == 0) return;
+          detail::ScoreRule<T> appended;  // every query sees the appended keys; no bias, no ALiBi
+          appended.n = n;
+          appended.m = extra;
+          appended.scale = rule.scale;
+          appended.softcap = rule.softcap;
+          s.O_extra.resize(n, hd);
+          s.lse_extra.resize(n);
+          detail::materialised_kernel<T>(q, ws.K_extra.middleCols(kv * hd, hd),
+                                         ws.V_extra.middleCols(kv * hd, hd), appended, s.P_extra,
+                                         s.O_extra, s.lse_extra.data());
+          for (Index i = 0; i < n; ++i) {
+            T lse = s.lse(i);
+            detail::merge_partial<T>(o.row(i), lse, s.O_extra.row(i), s.lse_extra(i));
+            detail::merge_sink<T>(o.row(i), lse, sink);
+            if (options.need_weights) {  // each block's weights, renormalised to the merged sum
+              weights.row(i).head(m) *= std::exp(s.lse(i) - lse);
+              weights.row(i).tail(extra) = s.P_extra.row(i) * std::exp(s.lse_extra(i) - lse);
+            }
+          }
+        });
     if (options.need_weights && options.average_weights) {
       result.weights.resize(batch, n, keys);
       for (Index b = 0; b < batch; ++b) {
@@ -484,16 +403,14 @@ class MultiHeadAttention {
     if (b.size() > 0) Y.rowwise() += b;
   }
 
-  /// The keys (or values) of one batch item with PyTorch's extra rows appended: the learned
+  /// PyTorch's appended key (or value) rows, the same for every batch item: the learned
   /// bias_k/bias_v row (add_bias_kv), then a zero row (add_zero_attn).
-  void extended(const detail::ConstRef<T>& rows, const RowVector<T>& bias_row,
-                Matrix<T>& out) const {
+  void extra_rows(const RowVector<T>& bias_row, Matrix<T>& out) const {
     const Index extra = (config_.add_bias_kv ? 1 : 0) + (config_.add_zero_attn ? 1 : 0);
-    out.resize(rows.rows() + extra, rows.cols());
-    out.topRows(rows.rows()) = rows;
-    Index next = rows.rows();
+    out.resize(extra, config_.num_kv_heads * head_dim());
+    Index next = 0;
     if (config_.add_bias_kv) out.row(next++) = bias_row;
-    if (config_.add_zero_attn) out.row(next) = RowVector<T>::Zero(rows.cols());
+    if (config_.add_zero_attn) out.row(next).setZero();
   }
 
   void check_inputs(const char* function, const Tensor3<T>& query, const Tensor3<T>& key,
@@ -527,40 +444,13 @@ class MultiHeadAttention {
       detail::require_table(function, "key_valid", *options.key_valid, query.dimension(0),
                             key.dimension(1));
     }
-    detail::check_head_values(function, options, config_.num_heads);
-    if ((options.alibi_slope || options.alibi_slopes) &&
+    detail::check_head_options(function, options, options.per_head, config_.num_heads,
+                               query.dimension(1), key.dimension(1));
+    if ((options.alibi_slope || options.per_head.alibi_slopes) &&
         (config_.add_bias_kv || config_.add_zero_attn)) {
       detail::fail(function, "alibi_slope is not defined for the extra key positions of ",
                    "add_bias_kv / add_zero_attn");
     }
-  }
-
-  /// The options of one batch item: padding folded into the mask; with extra key positions, the
-  /// causal/window/mask rules turned into an explicit n x (m + extra) mask whose extra columns are
-  /// allowed (PyTorch pads its masks that way), and the bias padded with zeros.
-  AttentionOptions<T> options_for_item(const MultiHeadOptions<T>& options, Index b, Index n,
-                                       Index m) const {
-    AttentionOptions<T> item = options;
-    const Index extra = (config_.add_bias_kv ? 1 : 0) + (config_.add_zero_attn ? 1 : 0);
-    if (!options.key_valid && extra == 0) return item;
-    Mask allowed = detail::range_mask(n, m, options.causal, options.window);
-    if (options.mask) allowed = allowed && *options.mask;
-    if (options.key_valid) {
-      allowed = allowed && options.key_valid->row(b).replicate(n, 1);
-    }
-    if (extra == 0) {
-      item.mask = std::move(allowed);
-      return item;
-    }
-    item.causal = Causal::None;
-    item.window.reset();
-    item.mask = Mask::Constant(n, m + extra, true);
-    item.mask->leftCols(m) = allowed;
-    if (options.bias) {
-      item.bias = Matrix<T>::Zero(n, m + extra);
-      item.bias->leftCols(m) = *options.bias;
-    }
-    return item;
   }
 
   MultiHeadConfig config_;

@@ -19,6 +19,28 @@ struct RowStats {
   T sum;  ///< sum of exp(x - max) over the row (plus exp(sink - max)); 0 for an empty row
 };
 
+/// `max(a, b)` that returns NaN when either is NaN (`std::max(-inf, NaN)` returns -inf, which
+/// would turn a NaN row into an empty one).
+template <class T>
+T nan_max(T a, T b) {
+  return (std::isnan(a) || std::isnan(b)) ? std::numeric_limits<T>::quiet_NaN() : std::max(a, b);
+}
+
+/// The maximum of a row of logits for the softmax: -inf for an empty row, NaN when the row has a
+/// NaN and nothing else but -inf. Eigen's fast maximum may skip a NaN; that is safe everywhere
+/// else, because the NaN still reaches the row's sum and output through `exp` (Eigen's vectorised
+/// exp and `std::exp` both return NaN for NaN), but not when the rest is -inf: the row would be
+/// taken for one that sees nothing. The NaN-propagating maximum costs 4% of the tiled kernel, so
+/// it is asked for only then.
+template <class T>
+T tile_max(const Eigen::Ref<const RowVector<T>>& row) {
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  if (row.size() == 0) return neg_inf;
+  const T max = row.maxCoeff();
+  if (max == neg_inf && row.hasNaN()) return std::numeric_limits<T>::quiet_NaN();
+  return max;
+}
+
 /// The most negative argument for which exp gives a normal number (exp(-87) = 1.6e-38 > FLT_MIN;
 /// exp(-708) = 3.3e-308 > DBL_MIN).
 template <class T>
@@ -30,7 +52,8 @@ constexpr T exp_normal_floor() {
 /// matters: 0 for -inf (masked) scores and for arguments that underflow. Eigen's vectorised exp
 /// clamps its argument, returning a tiny denormal there instead, so it is used only when every
 /// shifted score is above `exp_normal_floor` (one vectorised min tells); other rows take `std::exp`
-/// per entry. Leading and trailing -inf runs (causal and window masks) are zeroed without any exp.
+/// per entry (so does a NaN or +inf `max`: its row stays NaN). Leading and trailing -inf runs (causal
+/// and window masks) are zeroed without any exp.
 /// \returns the sum of the new row.
 template <class T>
 T exp_shifted_inplace(Eigen::Ref<RowVector<T>> row, T max) {
@@ -52,24 +75,6 @@ T exp_shifted_inplace(Eigen::Ref<RowVector<T>> row, T max) {
   return visible.sum();
 }
 
-/// One row's step of the online softmax over a tile of its scores (Milakov & Gimelshein 2018):
-/// m' = max(m, max_j s_j), s_j -> p_j = exp(s_j - m') in place, l' = exp(m - m') l + sum_j p_j.
-/// \returns alpha = exp(m - m'), by which the caller rescales the row's running output
-///          (o' = alpha o + sum_j p_j V_j); exp(-inf) = 0 on the first visible tile. A row with
-///          nothing visible yet (m' = -inf) becomes zeros and returns 1, m and l unchanged.
-template <class T>
-T online_softmax_step(Eigen::Ref<RowVector<T>> s, T& m, T& l) {
-  const T m_new = std::max(m, s.maxCoeff());
-  if (m_new == -std::numeric_limits<T>::infinity()) {
-    s.setZero();
-    return T(1);
-  }
-  const T alpha = std::exp(m - m_new);
-  l = alpha * l + exp_shifted_inplace<T>(s, m_new);
-  m = m_new;
-  return alpha;
-}
-
 /// The first half of one row's softmax, in place: `row -> exp(row - max)` (see
 /// `exp_shifted_inplace`). A row with no finite entry (and no sink) becomes all zero with sum 0.
 /// \param row   1 x m scores, replaced by their shifted exponentials
@@ -77,8 +82,8 @@ T online_softmax_step(Eigen::Ref<RowVector<T>> s, T& m, T& l) {
 template <class T>
 RowStats<T> exp_row_inplace(Eigen::Ref<RowVector<T>> row, std::optional<T> sink = {}) {
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
-  T max = row.size() > 0 ? row.maxCoeff() : neg_inf;
-  if (sink) max = std::max(max, *sink);
+  T max = tile_max<T>(row);
+  if (sink) max = nan_max(max, *sink);
   if (max == neg_inf) {  // nothing to attend
     row.setZero();
     return {max, T(0)};
@@ -90,10 +95,10 @@ RowStats<T> exp_row_inplace(Eigen::Ref<RowVector<T>> row, std::optional<T> sink 
 
 /// `row /= sum`, guarded: zeros when `sum` is 0 (a row that may attend nothing), never 0/0.
 /// After `exp_row_inplace` a non-zero sum is >= 1: the entry (or sink) equal to the max gives
-/// exp(0).
+/// exp(0). A NaN sum (a NaN score) keeps the row NaN.
 template <class T>
 void normalise_inplace(Eigen::Ref<RowVector<T>> row, T sum) {
-  row *= sum > T(0) ? T(1) / sum : T(0);
+  row *= sum == T(0) ? T(0) : T(1) / sum;
 }
 
 /// One row of the softmax, in place.

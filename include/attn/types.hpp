@@ -43,7 +43,8 @@ enum class RopeStyle { Interleaved, Half };
 /// `scale * Q K^T` -> softcap `c * tanh(s / c)` -> `+ bias` and ALiBi -> mask (causal, window,
 /// `mask`) -> softmax (with the optional sink in the denominator).
 ///
-/// `shift` below is `m - n` for `Causal::BottomRight` and `0` otherwise.
+/// `shift` below is the query offset: `query_offset` when set, else `m - n` for
+/// `Causal::BottomRight` and `0` otherwise. Query `i` stands at key position `i + shift`.
 template <class T>
 struct AttentionOptions {
   /// Causal alignment; `None` lets every query see every key.
@@ -64,6 +65,13 @@ struct AttentionOptions {
   /// A sink logit: adds `exp(sink - max)` to each row's denominator (gpt-oss). It takes weight but
   /// gives no value, so rows may sum to less than 1.
   std::optional<T> sink;
+  /// The key position of query 0 (any sign): query `i` stands at position `i + query_offset`.
+  /// Unset: `m - n` for `Causal::BottomRight`, 0 otherwise. ONNX Attention with a cache of `p`
+  /// past keys is `query_offset = p`.
+  std::optional<Index> query_offset;
+  /// `r >= 0`: also forbid keys `j > i + offset + r` (a window to the right; with `causal` set the
+  /// causal bound is the tighter one).
+  std::optional<Index> window_right;
 };
 
 /// Queries, keys and values of one sequence.

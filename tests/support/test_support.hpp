@@ -259,12 +259,18 @@ LMatrix naive_product(const Eigen::MatrixBase<DX>& X, const Eigen::MatrixBase<DW
 }
 
 /// The keys query `i` may attend, straight from API.md: causal `j <= i + shift`, window
-/// `j >= i + shift - w`, `shift = m - n` for bottom-right alignment and 0 otherwise.
+/// `j >= i + shift - w`, right window `j <= i + shift + r`; `shift` is `query_offset` when set,
+/// else `m - n` for bottom-right alignment and 0 otherwise.
 inline bool naive_allowed(Index i, Index j, Index n, Index m, attn::Causal causal,
-                          const std::optional<Index>& window) {
-  const Index shift = causal == attn::Causal::BottomRight ? m - n : 0;
+                          const std::optional<Index>& window,
+                          const std::optional<Index>& query_offset = std::nullopt,
+                          const std::optional<Index>& window_right = std::nullopt) {
+  const Index shift = query_offset                          ? *query_offset
+                      : causal == attn::Causal::BottomRight ? m - n
+                                                            : 0;
   if (causal != attn::Causal::None && j > i + shift) return false;
   if (window && j < i + shift - *window) return false;
+  if (window_right && j > i + shift + *window_right) return false;
   return true;
 }
 
@@ -289,7 +295,9 @@ NaiveAttention naive_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matr
   const long double neg_inf = -std::numeric_limits<long double>::infinity();
   const long double scale =
       options.scale ? detail::to_ld(*options.scale) : 1.0L / std::sqrt(static_cast<long double>(d));
-  const Index shift = options.causal == attn::Causal::BottomRight ? m - n : 0;
+  const Index shift = options.query_offset                          ? *options.query_offset
+                      : options.causal == attn::Causal::BottomRight ? m - n
+                                                                    : 0;
   NaiveAttention r{LMatrix(n, m), LMatrix(n, m), LMatrix::Zero(n, V.cols())};
   for (Index i = 0; i < n; ++i) {
     for (Index j = 0; j < m; ++j) {
@@ -300,12 +308,17 @@ NaiveAttention naive_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matr
         const long double c = detail::to_ld(*options.softcap);
         s = c * std::tanh(s / c);
       }
-      if (options.bias) s += detail::to_ld((*options.bias)(i, j));
+      bool allowed = naive_allowed(i, j, n, m, options.causal, options.window, options.query_offset,
+                                   options.window_right);
+      if (options.bias) {
+        const long double b = detail::to_ld((*options.bias)(i, j));
+        if (b == neg_inf) allowed = false;  // a -inf bias masks the key, whatever its score
+        s += b;
+      }
       if (options.alibi_slope) {
         s -=
             detail::to_ld(*options.alibi_slope) * static_cast<long double>(std::abs(i + shift - j));
       }
-      bool allowed = naive_allowed(i, j, n, m, options.causal, options.window);
       if (options.mask && !(*options.mask)(i, j)) allowed = false;
       r.logits(i, j) = allowed ? s : neg_inf;
     }
@@ -325,7 +338,9 @@ NaiveAttention naive_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matr
     for (Index j = 0; j < m; ++j) r.weights(i, j) /= sum;
     for (Index c = 0; c < V.cols(); ++c) {
       long double acc = 0;
-      for (Index j = 0; j < m; ++j) acc += r.weights(i, j) * detail::to_ld(V(j, c));
+      for (Index j = 0; j < m; ++j) {
+        if (r.logits(i, j) != neg_inf) acc += r.weights(i, j) * detail::to_ld(V(j, c));
+      }
       r.output(i, c) = acc;
     }
   }

@@ -9,9 +9,9 @@
 #include <limits>
 #include <utility>
 
-#include "../softmax.hpp"
 #include "../types.hpp"
-#include "pipeline.hpp"
+#include "online_softmax.hpp"
+#include "score_rule.hpp"
 
 namespace attn {
 namespace detail {
@@ -19,11 +19,10 @@ namespace detail {
 /// Working memory of `decode_kernel` (kept per thread by the caller).
 template <class T>
 struct DecodeScratch {
-  Matrix<T> q_scaled;  ///< g x d_k, the queries times the scale
-  Matrix<T> s;         ///< g x tile: scores, then unnormalised probabilities
-  Matrix<T> o;         ///< g x d_v running output
-  Vector<T> m, l;      ///< running maxima and sums
-  Vector<T> alpha;     ///< rescale factor of each running output for the current tile
+  Matrix<T> q_scaled;      ///< g x d_k, the queries times the scale
+  Matrix<T> s;             ///< g x tile: scores, then unnormalised probabilities
+  OnlineSoftmax<T> state;  ///< g x d_v running output, running maxima and sums
+  Vector<T> alpha;         ///< rescale factor of each running output for the current tile
 };
 
 template <class T>
@@ -104,7 +103,7 @@ EIGEN_STRONG_INLINE void decode_values(std::index_sequence<h...>, const T* p, In
 /// One tile for the heads [h0, h0 + G): scores, online-softmax update, values.
 template <class T, std::size_t G>
 void decode_tile(Index h0, ConstRef<T> K, ConstRef<T> V, Index j0, Index cols,
-                 const AttentionOptions<T>& options, DecodeScratch<T>& scratch) {
+                 const ScoreRule<T>& rule, DecodeScratch<T>& scratch) {
   constexpr Index lanes = decode_lanes<T>;
   constexpr Index chunk = 16 / Index(G) >= 4 ? 4 : 16 / Index(G);  // packets of output per pass
   const auto heads = std::make_index_sequence<G>();
@@ -120,30 +119,29 @@ void decode_tile(Index h0, ConstRef<T> K, ConstRef<T> V, Index j0, Index cols,
                    scratch.q_scaled.outerStride(), K.data() + j0 * K.outerStride(), K.outerStride(),
                    cols, d_k, s, s_stride, K.data() + (j0 + cols) * K.outerStride(),
                    h0 == 0 ? next_rows : 0);
-  if (options.softcap) apply_softcap<T>(options, scratch.s.block(h0, 0, Index(G), cols));
+  rule.apply_softcap(scratch.s.block(h0, 0, Index(G), cols));
 
-  // 2. Online softmax (Milakov & Gimelshein 2018): m' = max(m, max_j s_j), alpha = exp(m - m'),
-  //    p_j = exp(s_j - m'), l' = alpha l + sum_j p_j; the running output is rescaled by alpha in
-  //    step 3 (o' = alpha o + sum_j p_j V_j). The running max starts at -inf (or the sink).
+  // 2. Online softmax (detail/online_softmax.hpp); the running output is rescaled by alpha in
+  //    step 3 (o' = alpha o + sum_j p_j V_j).
+  OnlineSoftmax<T>& state = scratch.state;
   for (Index h = h0; h < h0 + Index(G); ++h) {
-    scratch.alpha(h) =
-        online_softmax_step<T>(scratch.s.row(h).head(cols), scratch.m(h), scratch.l(h));
+    scratch.alpha(h) = online_softmax_step<T>(scratch.s.row(h).head(cols), state.m(h), state.l(h));
   }
 
   // 3. Values, `chunk` packets of output columns at a time (the tile's value rows stay in L1
   //    between the passes over the columns).
   const T* alpha = scratch.alpha.data() + h0;
-  T* o = scratch.o.data() + h0 * scratch.o.outerStride();
+  T* o = state.o.data() + h0 * state.o.outerStride();
   const T* V_tile = V.data() + j0 * V.outerStride();
   Index c0 = 0;
   for (; c0 + chunk * lanes <= d_v; c0 += chunk * lanes) {
     decode_values<T, chunk>(heads, s, s_stride, alpha, V_tile + c0, V.outerStride(), cols, o + c0,
-                            scratch.o.outerStride(), V_tile + cols * V.outerStride(),
+                            state.o.outerStride(), V_tile + cols * V.outerStride(),
                             h0 == 0 && c0 == 0 ? next_rows : 0, d_v);
   }
   for (; c0 < d_v; c0 += lanes) {
     decode_values<T, 1>(heads, s, s_stride, alpha, V_tile + c0, V.outerStride(), cols, o + c0,
-                        scratch.o.outerStride(), V_tile, 0, d_v);
+                        state.o.outerStride(), V_tile, 0, d_v);
   }
 }
 
@@ -154,20 +152,19 @@ bool decode_vectorised(Index d_k, Index d_v) {
 }
 
 /// One decoding step of the g query heads of a group over their key/value head.
-/// Shape contract: q g x d_k, K m x d_k, V m x d_v, o g x d_v; every key visible. Options: scale,
-/// softcap, sink only. Passes, per tile of 64 keys and per 4 (then 2, 1) query heads: scores
-/// (`decode_scores`), the online-softmax update, values (`decode_values`); finally o / l, guarded.
-/// Widths that are not whole packets go through Eigen's lazy products instead.
+/// Shape contract: q g x d_k (unscaled), K m x d_k, V m x d_v, o g x d_v, lse (optional) g
+/// entries; every row of K is visible to every query (the caller passes the visible range). Of
+/// the rule only the scale, softcap and sink are used. Passes, per tile of 64 keys and per 4
+/// (then 2, 1) query heads: scores (`decode_scores`), the online-softmax update, values
+/// (`decode_values`); finally o / l, guarded. Widths that are not whole packets go through
+/// Eigen's lazy products instead.
 template <class T>
-void decode_kernel(ConstRef<T> q, ConstRef<T> K, ConstRef<T> V, const AttentionOptions<T>& options,
-                   DecodeScratch<T>& scratch, Eigen::Ref<Matrix<T>> o) {
-  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+void decode_kernel(ConstRef<T> q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& rule,
+                   DecodeScratch<T>& scratch, Eigen::Ref<Matrix<T>> o, T* lse) {
   constexpr Index tile = 64;
   const Index g = q.rows();
-  scratch.q_scaled.noalias() = scale_of(options, q.cols()) * q;
-  scratch.o.setZero(g, V.cols());
-  scratch.m.setConstant(g, options.sink ? *options.sink : neg_inf);
-  scratch.l.setConstant(g, options.sink ? T(1) : T(0));
+  scratch.q_scaled.noalias() = rule.scale * q;
+  scratch.state.start(g, V.cols(), rule.sink);
   scratch.alpha.resize(g);
   scratch.s.resize(g, tile);
   const bool vectorised = decode_vectorised<T>(K.cols(), V.cols());
@@ -175,24 +172,17 @@ void decode_kernel(ConstRef<T> q, ConstRef<T> K, ConstRef<T> V, const AttentionO
     const Index cols = std::min(tile, K.rows() - j0);
     if (vectorised) {
       Index h0 = 0;
-      for (; h0 + 4 <= g; h0 += 4) decode_tile<T, 4>(h0, K, V, j0, cols, options, scratch);
-      for (; h0 + 2 <= g; h0 += 2) decode_tile<T, 2>(h0, K, V, j0, cols, options, scratch);
-      for (; h0 < g; ++h0) decode_tile<T, 1>(h0, K, V, j0, cols, options, scratch);
+      for (; h0 + 4 <= g; h0 += 4) decode_tile<T, 4>(h0, K, V, j0, cols, rule, scratch);
+      for (; h0 + 2 <= g; h0 += 2) decode_tile<T, 2>(h0, K, V, j0, cols, rule, scratch);
+      for (; h0 < g; ++h0) decode_tile<T, 1>(h0, K, V, j0, cols, rule, scratch);
       continue;
     }
     Eigen::Ref<Matrix<T>> s = scratch.s.leftCols(cols);
     s.noalias() = scratch.q_scaled.lazyProduct(K.middleRows(j0, cols).transpose());
-    apply_softcap<T>(options, s);
-    for (Index r = 0; r < g; ++r) {  // the online softmax of step 2 above
-      const T alpha = online_softmax_step<T>(s.row(r), scratch.m(r), scratch.l(r));
-      if (alpha != T(1)) scratch.o.row(r) *= alpha;
-    }
-    scratch.o.noalias() += s.lazyProduct(V.middleRows(j0, cols));
+    rule.apply_softcap(s);
+    scratch.state.step(s, V.middleRows(j0, cols));
   }
-  for (Index r = 0; r < g; ++r) {
-    const T l = scratch.l(r);
-    o.row(r) = scratch.o.row(r) * (l > T(0) ? T(1) / l : T(0));
-  }
+  scratch.state.finish(o, lse);
 }
 
 }  // namespace detail

@@ -1,0 +1,63 @@
+#pragma once
+/// \file detail/exact_rows.hpp
+/// The naive twin of every attention kernel, row by row: each visible key's logit by the score
+/// rule, the row's max, sum and weighted values, skipping every key the row may not attend. The
+/// fast kernels call it for the rows whose result is not finite: there a forbidden key's NaN or
+/// infinite value may have reached the row through `0 * NaN` in a product (a forbidden key gets
+/// weight 0, and the kernels multiply whole tiles). The rule of the Conventions is that such a key
+/// never reaches the row; a NaN that the row really uses stays NaN here too.
+
+#include <cmath>
+#include <limits>
+
+#include "../softmax.hpp"
+#include "../types.hpp"
+#include "score_rule.hpp"
+
+namespace attn {
+namespace detail {
+
+/// Row i of attention by `rule`, computed key by key. Shape contract: Q n x d_k (unscaled), K m x
+/// d_k, V m x d_v, out 1 x d_v; lse (optional) receives m_i + log(l_i) (sink included when set).
+template <class T>
+void exact_row(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& rule, Index i,
+               Eigen::Ref<RowVector<T>> out, T* lse) {
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  const KeyRange keys = rule.keys(i);
+  T max = rule.sink ? *rule.sink : neg_inf;
+  for (Index j = keys.begin; j < keys.end; ++j) {
+    max = nan_max(max, rule.logit(rule.scale * Q.row(i).dot(K.row(j)), i, j));
+  }
+  out.setZero();
+  if (max == neg_inf) {
+    if (lse) *lse = neg_inf;
+    return;
+  }
+  T sum = rule.sink ? std::exp(*rule.sink - max) : T(0);
+  for (Index j = keys.begin; j < keys.end; ++j) {
+    const T s = rule.logit(rule.scale * Q.row(i).dot(K.row(j)), i, j);
+    if (s == neg_inf) continue;  // forbidden: never multiplied, whatever V_j holds
+    const T p = std::exp(s - max);
+    sum += p;
+    out += p * V.row(j);
+  }
+  out /= sum;
+  if (lse) *lse = max + std::log(sum);
+}
+
+/// Recomputes with `exact_row` the rows [i0, i0 + rows) of O whose values are not all finite.
+/// The test is one vectorised sum of the block (any NaN or infinity makes it non-finite; a finite
+/// block whose sum overflows only costs a needless, exact recomputation), then one sum per row.
+template <class T>
+void repair_rows(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& rule, Index i0,
+                 Index rows, Eigen::Ref<Matrix<T>> O, T* lse) {
+  if (std::isfinite(O.middleRows(i0, rows).sum())) return;
+  for (Index i = i0; i < i0 + rows; ++i) {
+    if (!std::isfinite(O.row(i).sum())) {
+      exact_row<T>(Q, K, V, rule, i, O.row(i), lse ? lse + i : nullptr);
+    }
+  }
+}
+
+}  // namespace detail
+}  // namespace attn

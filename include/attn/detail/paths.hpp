@@ -1,0 +1,121 @@
+#pragma once
+/// \file detail/paths.hpp
+/// The three attention paths on one score rule, and the one function that chooses between them:
+/// the materialised n x m table (small problems, or when the weights are wanted), the tiled kernel
+/// (`flash.hpp`), and the decoding kernel (one query over a long range of keys, `decode.hpp`).
+
+#include <algorithm>
+
+#include "../flash.hpp"
+#include "../softmax.hpp"
+#include "../threads.hpp"
+#include "../types.hpp"
+#include "decode.hpp"
+#include "exact_rows.hpp"
+#include "score_rule.hpp"
+
+namespace attn {
+namespace detail {
+
+/// The materialised path. Shape contract: Q n x d_k, K m x d_k, V m x d_v; P becomes the n x m
+/// weights; O, already n x d_v (a block of a larger matrix is fine), receives the output; lse
+/// (optional) n entries. Memory: the n x m table P (reused across calls when it already has the
+/// right size). Blocks of query rows run in parallel (`parallel_for`); each block goes through:
+/// logits `(scale Q_b) K^T` and the score rule, row softmax, `P_b V`; rows that came out not
+/// finite are recomputed key by key (`repair_rows`).
+template <class T>
+void materialised_kernel(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& rule,
+                         Matrix<T>& P, Eigen::Ref<Matrix<T>> O, T* lse) {
+  ATTN_ASSERT(O.rows() == Q.rows() && O.cols() == V.cols());
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  const Index n = Q.rows();
+  P.resize(n, K.rows());
+  constexpr Index block_rows = 64;
+  const Index blocks = (n + block_rows - 1) / block_rows;
+  parallel_for<Matrix<T>>(blocks, [&](Index b, Matrix<T>& q_scaled) {
+    const Index i0 = b * block_rows;
+    const Index rows = std::min(block_rows, n - i0);
+    q_scaled.noalias() = rule.scale * Q.middleRows(i0, rows);
+    Eigen::Ref<Matrix<T>> P_b = P.middleRows(i0, rows);
+    P_b.noalias() = q_scaled * K.transpose();
+    rule.apply(P_b, i0, 0);
+    for (Index r = 0; r < rows; ++r) {
+      const RowStats<T> stats = softmax_row_inplace<T>(P_b.row(r), rule.sink);
+      if (lse) lse[i0 + r] = stats.sum == T(0) ? neg_inf : stats.max + std::log(stats.sum);
+    }
+    O.middleRows(i0, rows).noalias() = P_b * V;
+    repair_rows<T>(Q, K, V, rule, i0, rows, O, lse);
+  });
+}
+
+/// The attention paths.
+enum class Path { Materialised, Tiled, Decode };
+
+/// The one choice of path, for n queries of one head over the m keys of `rule`:
+/// - the weights are wanted: materialised (it keeps them);
+/// - one query and nothing but a key range and scalars (no mask, bias or ALiBi): decode, which
+///   streams each visible key and value once;
+/// - the n x m table would not fit in a core's L2 cache (256 x 256 floats = 256 KiB), or the keys
+///   and values would not (more than 1 MiB: they are then streamed tile by tile, read once): tiled;
+/// - otherwise materialised.
+template <class T>
+Path choose_path(const ScoreRule<T>& rule, Index d_k, Index d_v, bool need_weights) {
+  if (need_weights) return Path::Materialised;
+  if (rule.n == 1 && !rule.has_tables()) return Path::Decode;
+  const Index kv_bytes = rule.m * (d_k + d_v) * static_cast<Index>(sizeof(T));
+  if (rule.n * rule.m > 256 * 256 || kv_bytes > (Index(1) << 20)) return Path::Tiled;
+  return Path::Materialised;
+}
+
+/// Per-thread working memory of any path.
+template <class T>
+struct PathScratch {
+  Matrix<T> P;              ///< the materialised path's n x m weights
+  DecodeScratch<T> decode;  ///< the decoding kernel's state
+  FlashScratch<T> flash;    ///< the tiled kernel's state (one block at a time)
+};
+
+/// Attention of one head by `rule` on `path`, inside a parallel loop (the tiled path then runs its
+/// query blocks one after the other on this thread). Shape contract: Q n x d_k, K m x d_k, V m x
+/// d_v, O n x d_v, lse (optional) n entries. The materialised path leaves the weights in
+/// `scratch.P`.
+template <class T>
+void run_path(Path path, ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& rule,
+              PathScratch<T>& scratch, Eigen::Ref<Matrix<T>> O, T* lse) {
+  switch (path) {
+    case Path::Materialised:
+      materialised_kernel<T>(Q, K, V, rule, scratch.P, O, lse);
+      return;
+    case Path::Decode: {
+      const KeyRange keys = rule.keys(0);
+      decode_kernel<T>(Q, K.middleRows(keys.begin, keys.end - keys.begin),
+                       V.middleRows(keys.begin, keys.end - keys.begin), rule, scratch.decode, O,
+                       lse);
+      return;
+    }
+    case Path::Tiled: {
+      const FlashTiles tiles;
+      for (Index i0 = 0; i0 < Q.rows(); i0 += tiles.query_rows) {
+        flash_block<T>(Q, K, V, rule, tiles, i0, std::min(tiles.query_rows, Q.rows() - i0),
+                       scratch.flash, O, lse);
+      }
+      return;
+    }
+  }
+}
+
+/// Attention of one head on the path `choose_path` picks, the tiled path parallel over its query
+/// blocks: the entry point of the single-head calls.
+template <class T>
+void attend_one(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& rule,
+                PathScratch<T>& scratch, Eigen::Ref<Matrix<T>> O, T* lse, bool need_weights) {
+  const Path path = choose_path(rule, K.cols(), V.cols(), need_weights);
+  if (path == Path::Tiled) {
+    flash_kernel<T>(Q, K, V, rule, FlashTiles{}, O, lse);
+  } else {
+    run_path<T>(path, Q, K, V, rule, scratch, O, lse);
+  }
+}
+
+}  // namespace detail
+}  // namespace attn
