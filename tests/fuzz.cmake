@@ -1,0 +1,34 @@
+# The libFuzzer target of the differential test (tests/fuzz/attention_fuzz.cpp) and its CTest run
+# (label `fuzz`, 60 seconds). Clang only: libFuzzer ships with it (Debian: libclang-rt-14-dev).
+#   CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=Release -DATTN_BUILD_FUZZ=ON
+#   cmake --build build-fuzz --target attention_fuzz && ctest --test-dir build-fuzz -L fuzz
+option(ATTN_BUILD_FUZZ "Build the libFuzzer target attention_fuzz (Clang only)" OFF)
+if(NOT ATTN_BUILD_FUZZ)
+  return()
+endif()
+if(NOT CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+  message(WARNING "attn: ATTN_BUILD_FUZZ needs Clang (libFuzzer); ${CMAKE_CXX_COMPILER_ID} "
+                  "found, so attention_fuzz is not built")
+  return()
+endif()
+
+set(attn_fuzz_flags -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all
+                    -fno-omit-frame-pointer)
+add_executable(attention_fuzz fuzz/attention_fuzz.cpp)
+target_include_directories(attention_fuzz PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}/support")
+target_link_libraries(attention_fuzz PRIVATE attn::attn)
+target_compile_options(attention_fuzz PRIVATE ${attn_fuzz_flags} -g)
+target_link_options(attention_fuzz PRIVATE ${attn_fuzz_flags})
+attn_strict_warnings(attention_fuzz)
+
+# New inputs go to a corpus in the build folder; tests/fuzz/corpus holds the few committed seeds.
+# A failing input is written to fuzz-artifacts/ and printed with its case and a C++ reproducer.
+set(attn_fuzz_work "${CMAKE_CURRENT_BINARY_DIR}/fuzz-corpus")
+set(attn_fuzz_artifacts "${CMAKE_CURRENT_BINARY_DIR}/fuzz-artifacts")
+file(MAKE_DIRECTORY "${attn_fuzz_work}" "${attn_fuzz_artifacts}")
+add_test(NAME attention_fuzz
+  COMMAND attention_fuzz -max_total_time=60 -max_len=1024 -timeout=60 -rss_limit_mb=2048
+    -print_final_stats=1 -artifact_prefix=${attn_fuzz_artifacts}/
+    "${attn_fuzz_work}" "${CMAKE_CURRENT_SOURCE_DIR}/fuzz/corpus")
+set_tests_properties(attention_fuzz PROPERTIES LABELS fuzz TIMEOUT 180
+  ENVIRONMENT "OMP_NUM_THREADS=2;UBSAN_OPTIONS=print_stacktrace=1;ASAN_OPTIONS=detect_leaks=1")
