@@ -1761,12 +1761,16 @@ void check_mha(const MhaCase<T>& c, Failures& f) {
       const attn::AttentionOptions<T> o = options_of_head(
           static_cast<const attn::AttentionOptions<T>&>(c.options), c.options.per_head, h);
       RefProblem p;
-      p.Q = Qp.block(b * n, h * hd, n, hd);
-      p.dQ = dQp.block(b * n, h * hd, n, hd);
-      p.K = Kp.block(b * m, kv * hd, m, hd);
-      p.dK = dKp.block(b * m, kv * hd, m, hd);
-      p.V = Vp.block(b * m, kv * hd, m, hd);
-      p.dV = dVp.block(b * m, kv * hd, m, hd);
+      // A block of an empty matrix would offset its null data pointer (UB): rows == 0 is empty.
+      const auto part = [](const LMatrix& M, Index r0, Index c0, Index rows, Index cols) {
+        return rows == 0 ? LMatrix(0, cols) : LMatrix(M.block(r0, c0, rows, cols));
+      };
+      p.Q = part(Qp, b * n, h * hd, n, hd);
+      p.dQ = part(dQp, b * n, h * hd, n, hd);
+      p.K = part(Kp, b * m, kv * hd, m, hd);
+      p.dK = part(dKp, b * m, kv * hd, m, hd);
+      p.V = part(Vp, b * m, kv * hd, m, hd);
+      p.dV = part(dVp, b * m, kv * hd, m, hd);
       p.allowed = Table(n, m);
       for (Index i = 0; i < n; ++i) {
         for (Index j = 0; j < m; ++j) {
