@@ -175,14 +175,6 @@ TEST(Flash, FloatStaysWithin1e5OfTheDoubleReferenceAtN4096) {
   }
 }
 
-/// Restores the default thread count when a test ends.
-struct ThreadCount {
-  explicit ThreadCount(int threads) { attn::set_num_threads(threads); }
-  ~ThreadCount() { attn::set_num_threads(0); }
-  ThreadCount(const ThreadCount&) = delete;
-  ThreadCount& operator=(const ThreadCount&) = delete;
-};
-
 TEST(Threads, EveryParallelPathGivesTheSameBitsForAnyThreadCount) {
   std::mt19937 rng(99);
   const Index n = 333;
@@ -205,7 +197,7 @@ TEST(Threads, EveryParallelPathGivesTheSameBitsForAnyThreadCount) {
     attn::Matrix<float> flash, sdpa, weights, output, heads, mha, mha_weights;
   };
   const auto run = [&](int threads) {
-    const ThreadCount count(threads);
+    const attn_test::ThreadCount count(threads);
     Results r;
     r.flash = attn::flash_attention(Q, K, V, options, attn::FlashTiles{32, 64});
     r.sdpa = attn::scaled_dot_product_attention(Q, K, V, options);

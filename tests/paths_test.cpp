@@ -16,6 +16,8 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "test_support.hpp"
@@ -357,6 +359,118 @@ TYPED_TEST(Paths, NanRuleHeadsAndLayer) {
     for (Index i = 0; i < tokens; ++i) rows[static_cast<std::size_t>(i)] = i >= t;
     EXPECT_TRUE(nan_rows_exactly(layer.forward(X, options), rows)) << tokens << " tokens";
   }
+}
+
+TYPED_TEST(Paths, SplitDecodingStepEqualsTheWholeAndIgnoresTheThreadCount) {
+  using T = TypeParam;
+  std::mt19937 rng(39);
+  // One key/value head, one query: more keys than one part (detail::decode_part_keys = 2048), so
+  // the step is split into parts merged by log-sum-exp; with a sink, a window and a query offset.
+  const Index m = 5000, d = 16;
+  const attn::Matrix<T> q = attn_test::random_matrix<T>(1, d, rng);
+  const attn::Matrix<T> K = attn_test::random_matrix<T>(m, d, rng);
+  const attn::Matrix<T> V = attn_test::random_matrix<T>(m, d, rng);
+  for (const bool with_options : {false, true}) {
+    attn::AttentionOptions<T> options;
+    if (with_options) {
+      options.sink = T(1.5);
+      options.softcap = T(5);
+      options.causal = Causal::TopLeft;
+      options.query_offset = 4500;
+      options.window = 4200;  // keys 300 .. 4500: parts of 2048, 2048 and 105 keys
+    }
+    const LMatrix expected = attn_test::naive_attention<T>(q, K, V, options).output;
+    attn::Matrix<T> one, two;
+    {
+      const attn_test::ThreadCount threads(1);
+      one = attn::scaled_dot_product_attention(q, K, V, options);
+    }
+    {
+      const attn_test::ThreadCount threads(2);
+      two = attn::scaled_dot_product_attention(q, K, V, options);
+    }
+    EXPECT_TRUE(attn_test::near_t<T>(one, expected)) << "options " << with_options;
+    EXPECT_TRUE(attn_test::identical(one, two)) << "options " << with_options;
+    // The same step through a cache of one key/value head and 4 query heads (stacked).
+    attn::KVCache<T> cache(d, d);
+    cache.append(K, V);
+    const attn::Matrix<T> q4 = attn_test::random_matrix<T>(1, 4 * d, rng);
+    attn::AttentionOptions<T> cache_options;
+    cache_options.sink = options.sink;
+    const attn::Matrix<T> stacked = cache.attend(q4, cache_options);
+    for (Index h = 0; h < 4; ++h) {
+      attn::AttentionOptions<T> single = cache_options;
+      single.causal = Causal::BottomRight;
+      EXPECT_TRUE(attn_test::near_t<T>(
+          stacked.middleCols(h * d, d),
+          attn_test::naive_attention<T>(attn::Matrix<T>(q4.middleCols(h * d, d)), K, V, single)
+              .output))
+          << "head " << h;
+    }
+  }
+}
+
+// --- Options are never cut down ----------------------------------------------------------------
+
+using Mf = attn::Matrix<float>;
+using T3f = attn::Tensor3<float>;
+
+/// Whether each call compiles with this options type: they must for `AttentionOptions` and `{}`,
+/// and must not for `MultiHeadOptions` (whose key_valid, weight flags and per-head values the call
+/// would otherwise drop without a word).
+#define ATTN_TEST_DETECT(name, call)     \
+  template <class Options, class = void> \
+  struct name : std::false_type {};      \
+  template <class Options>               \
+  struct name<Options, std::void_t<decltype(call)>> : std::true_type {};
+ATTN_TEST_DETECT(sdpa_takes, attn::scaled_dot_product_attention(std::declval<const Mf&>(),
+                                                                std::declval<const Mf&>(),
+                                                                std::declval<const Mf&>(),
+                                                                std::declval<const Options&>()))
+ATTN_TEST_DETECT(sdpa_into_takes, attn::scaled_dot_product_attention(std::declval<const Mf&>(),
+                                                                     std::declval<const Mf&>(),
+                                                                     std::declval<const Mf&>(),
+                                                                     std::declval<const Options&>(),
+                                                                     std::declval<Mf&>()))
+ATTN_TEST_DETECT(weights_takes,
+                 attn::attention_with_weights(std::declval<const Mf&>(), std::declval<const Mf&>(),
+                                              std::declval<const Mf&>(),
+                                              std::declval<const Options&>()))
+ATTN_TEST_DETECT(flash_takes,
+                 attn::flash_attention(std::declval<const Mf&>(), std::declval<const Mf&>(),
+                                       std::declval<const Mf&>(), std::declval<const Options&>(),
+                                       attn::FlashTiles{}))
+ATTN_TEST_DETECT(heads_takes,
+                 attn::attention_heads(std::declval<const T3f&>(), std::declval<const T3f&>(),
+                                       std::declval<const T3f&>(), std::declval<const Options&>(),
+                                       std::declval<T3f&>()))
+ATTN_TEST_DETECT(cache_takes,
+                 std::declval<const attn::KVCache<float>&>().attend(std::declval<const Mf&>(),
+                                                                    std::declval<const Options&>(),
+                                                                    attn::HeadOptions<float>{}))
+#undef ATTN_TEST_DETECT
+
+TEST(PathsOptions, ExtendedOptionsAreRefusedNotCutDown) {
+  using Plain = attn::AttentionOptions<float>;
+  using Rich = attn::MultiHeadOptions<float>;
+  static_assert(sdpa_takes<Plain>::value && !sdpa_takes<Rich>::value);
+  static_assert(sdpa_into_takes<Plain>::value && !sdpa_into_takes<Rich>::value);
+  static_assert(weights_takes<Plain>::value && !weights_takes<Rich>::value);
+  static_assert(flash_takes<Plain>::value && !flash_takes<Rich>::value);
+  static_assert(heads_takes<Plain>::value && !heads_takes<Rich>::value);
+  static_assert(cache_takes<Plain>::value && !cache_takes<Rich>::value);
+  // `{}` still means "no options" everywhere, and equals the defaults.
+  std::mt19937 rng(38);
+  const Mf Q = attn_test::random_matrix<float>(3, 4, rng);
+  EXPECT_TRUE(attn_test::identical(attn::scaled_dot_product_attention(Q, Q, Q, {}),
+                                   attn::scaled_dot_product_attention(Q, Q, Q)));
+  EXPECT_TRUE(
+      attn_test::identical(attn::flash_attention(Q, Q, Q, {}), attn::flash_attention(Q, Q, Q)));
+  T3f q(2, 3, 4);
+  q.setRandom();
+  const T3f a = attn::attention_heads(q, q, q, {});
+  const T3f b = attn::attention_heads(q, q, q);
+  EXPECT_TRUE(attn_test::identical(attn::detail::slice(a, 1), attn::detail::slice(b, 1)));
 }
 
 }  // namespace

@@ -106,4 +106,19 @@ AttentionTrace<typename DQ::Scalar> trace_attention(
   return trace;
 }
 
+/// Options types that extend `AttentionOptions` (`MultiHeadOptions`) are refused at compile time
+/// rather than cut down to it (their padding, weight flags and per-head values would be dropped).
+template <class DQ, class DK, class DV, class Options, class... Rest,
+          detail::if_extended_options<Options, typename DQ::Scalar> = 0>
+void scaled_dot_product_attention(const Eigen::MatrixBase<DQ>&, const Eigen::MatrixBase<DK>&,
+                                  const Eigen::MatrixBase<DV>&, const Options&, Rest&&...) = delete;
+template <class DQ, class DK, class DV, class Options,
+          detail::if_extended_options<Options, typename DQ::Scalar> = 0>
+void attention_with_weights(const Eigen::MatrixBase<DQ>&, const Eigen::MatrixBase<DK>&,
+                            const Eigen::MatrixBase<DV>&, const Options&) = delete;
+template <class DQ, class DK, class DV, class Options,
+          detail::if_extended_options<Options, typename DQ::Scalar> = 0>
+void trace_attention(const Eigen::MatrixBase<DQ>&, const Eigen::MatrixBase<DK>&,
+                     const Eigen::MatrixBase<DV>&, const Options&) = delete;
+
 }  // namespace attn

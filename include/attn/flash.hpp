@@ -144,4 +144,11 @@ Matrix<typename DQ::Scalar> flash_attention(const Eigen::MatrixBase<DQ>& Q,
   return O;
 }
 
+/// Options types that extend `AttentionOptions` (`MultiHeadOptions`) are refused at compile time
+/// rather than cut down to it.
+template <class DQ, class DK, class DV, class Options, class... Rest,
+          detail::if_extended_options<Options, typename DQ::Scalar> = 0>
+void flash_attention(const Eigen::MatrixBase<DQ>&, const Eigen::MatrixBase<DK>&,
+                     const Eigen::MatrixBase<DV>&, const Options&, Rest&&...) = delete;
+
 }  // namespace attn

@@ -38,12 +38,6 @@ struct HeadOptions {
 
 namespace detail {
 
-/// True for option types that extend `AttentionOptions<T>` (such as `MultiHeadOptions<T>`): a
-/// call that takes `AttentionOptions` must not silently drop their extra fields.
-template <class Options, class T>
-inline constexpr bool is_extended_options_v = std::is_base_of_v<AttentionOptions<T>, Options> &&
-                                              !std::is_same_v<Options, AttentionOptions<T>>;
-
 /// Checks per-head values for `heads` query heads, n queries and m keys: one per query head,
 /// finite slopes, sinks below +inf, tables of the right shape, and none together with the shared
 /// value of its kind.
@@ -129,12 +123,7 @@ void heads_kernel(Index heads, Index group, const ScoreRule<T>& shared,
                   const KHead& k, const VHead& v, const OHead& o, const QGroup& stacked_q,
                   const OGroup& stacked_o) {
   if (choose_path(shared, d_k, d_v, false) == Path::Decode && !per_head.any()) {
-    parallel_for<DecodeScratch<T>>(heads / group, [&](Index kv, DecodeScratch<T>& scratch) {
-      const KeyRange keys = shared.keys(0);
-      decode_kernel<T>(stacked_q(kv), k(kv).middleRows(keys.begin, keys.end - keys.begin),
-                       v(kv).middleRows(keys.begin, keys.end - keys.begin), shared, scratch,
-                       stacked_o(kv), nullptr);
-    });
+    decode_groups<T>(heads / group, shared, stacked_q, k, v, stacked_o);
     return;
   }
   parallel_for<PathScratch<T>>(heads, [&](Index h, PathScratch<T>& scratch) {
@@ -203,9 +192,8 @@ Tensor3<T> attention_heads(const Tensor3<T>& Q, const Tensor3<T>& K, const Tenso
 
 /// Options types that extend `AttentionOptions` (`MultiHeadOptions`) are refused at compile time
 /// rather than cut down: per-head values go in `HeadOptions`, padding in a mask.
-template <class T, class Options,
-          std::enable_if_t<detail::is_extended_options_v<Options, T>, int> = 0>
+template <class T, class Options, class... Rest, detail::if_extended_options<Options, T> = 0>
 Tensor3<T> attention_heads(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
-                           const Options& options) = delete;
+                           const Options& options, Rest&&...) = delete;
 
 }  // namespace attn

@@ -187,9 +187,13 @@ class KVCache {
 
   /// Options types that extend `AttentionOptions` (`MultiHeadOptions`) are refused at compile
   /// time rather than cut down: per-head values go in `HeadOptions`, padding in `mask`.
-  template <class DQ, class Options,
-            std::enable_if_t<detail::is_extended_options_v<Options, T>, int> = 0>
-  Matrix<T> attend(const Eigen::MatrixBase<DQ>& Q_new, const Options& options) const = delete;
+  template <class DQ, class Options, class... Rest, detail::if_extended_options<Options, T> = 0>
+  Matrix<T> attend(const Eigen::MatrixBase<DQ>& Q_new, const Options& options,
+                   Rest&&...) const = delete;
+  /// Likewise for `attend_heads`.
+  template <class Options, class... Rest, detail::if_extended_options<Options, T> = 0>
+  Tensor3<T> attend_heads(const Tensor3<T>& Q_new, const Options& options,
+                          Rest&&...) const = delete;
 
   /// `attend` on heads.
   /// \param Q_new  (heads, n, d_k)

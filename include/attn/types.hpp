@@ -106,6 +106,17 @@ namespace detail {
 template <class T>
 inline constexpr bool is_supported_scalar_v = std::is_floating_point_v<T>;
 
+/// True for option types that extend `AttentionOptions<T>` (such as `MultiHeadOptions<T>`): a
+/// call that takes `AttentionOptions` must not silently drop their extra fields, so each such call
+/// has a deleted overload for them (`{}` still means "no options": it deduces no type).
+template <class Options, class T>
+inline constexpr bool is_extended_options_v = std::is_base_of_v<AttentionOptions<T>, Options> &&
+                                              !std::is_same_v<Options, AttentionOptions<T>>;
+
+/// Enables the deleted overloads that refuse extended option types.
+template <class Options, class T>
+using if_extended_options = std::enable_if_t<is_extended_options_v<Options, T>, int>;
+
 /// What every kernel takes: a read-only view of a row-major matrix. A column-major matrix or an
 /// expression binds too (Eigen evaluates it once into a temporary), so each kernel is compiled once
 /// per scalar type, not once per input type.

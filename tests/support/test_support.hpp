@@ -38,6 +38,14 @@ namespace attn_test {
 
 using attn::Index;
 
+/// Sets attn's thread count for a scope and restores the default when it ends.
+struct ThreadCount {
+  explicit ThreadCount(int threads) { attn::set_num_threads(threads); }
+  ~ThreadCount() { attn::set_num_threads(0); }
+  ThreadCount(const ThreadCount&) = delete;
+  ThreadCount& operator=(const ThreadCount&) = delete;
+};
+
 /// Matrices of the naive references: long double, so that they are (much) more accurate than the
 /// double code under test.
 using LMatrix = Eigen::Matrix<long double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;

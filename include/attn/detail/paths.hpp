@@ -5,6 +5,7 @@
 /// (`flash.hpp`), and the decoding kernel (one query over a long range of keys, `decode.hpp`).
 
 #include <algorithm>
+#include <vector>
 
 #include "../flash.hpp"
 #include "../softmax.hpp"
@@ -104,6 +105,75 @@ void run_path(Path path, ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const Scor
   }
 }
 
+/// Keys per part when one decoding step is split over threads. A fixed number (not one derived
+/// from the thread count), so that the parts, and the bits of the merged result, are the same for
+/// any thread count. 2048 keys of d = 128 floats are 2 MiB of keys and values per part.
+inline constexpr Index decode_part_keys = 2048;
+
+/// The partial results of a split decoding step, kept per calling thread between calls (the hot
+/// path allocates nothing once they have grown).
+template <class T>
+struct DecodeParts {
+  std::vector<Matrix<T>> o;    ///< per (group, part): rows x d_v
+  std::vector<Vector<T>> lse;  ///< per (group, part): rows
+};
+
+/// One decoding step of `groups` groups of stacked query rows, each over its own keys, by one rule
+/// of key ranges and scalars (the decoding path of `choose_path`). Shape contract: q(g) rows x
+/// d_k, k(g) m x d_k, v(g) m x d_v, o(g) rows x d_v (functions returning views). A visible range of
+/// more than `decode_part_keys` keys is split into parts of that many: each (group, part) runs in
+/// parallel without the sink, then the parts of a group are merged in part order by their
+/// log-sum-exp (`merge_partial`) and the sink is added once (`merge_sink`). So even one group (one
+/// key/value head, one query) uses every thread, and the result does not depend on their number.
+template <class T, class QGroup, class KGroup, class VGroup, class OGroup>
+void decode_groups(Index groups, const ScoreRule<T>& rule, const QGroup& q, const KGroup& k,
+                   const VGroup& v, const OGroup& o) {
+  const KeyRange keys = rule.keys(0);
+  const Index m = keys.end - keys.begin;
+  const Index parts = std::max<Index>(1, (m + decode_part_keys - 1) / decode_part_keys);
+  if (parts == 1) {
+    parallel_for<DecodeScratch<T>>(groups, [&](Index g, DecodeScratch<T>& scratch) {
+      decode_kernel<T>(q(g), k(g).middleRows(keys.begin, m), v(g).middleRows(keys.begin, m), rule,
+                       scratch, o(g), nullptr);
+    });
+    return;
+  }
+  // The calling thread's buffers: named through a reference, since inside the parallel loop the
+  // name of a thread_local would mean each worker's own.
+  static thread_local DecodeParts<T> buffers;
+  DecodeParts<T>& store = buffers;
+  const auto tasks = static_cast<std::size_t>(groups * parts);
+  if (store.o.size() < tasks) {
+    store.o.resize(tasks);
+    store.lse.resize(tasks);
+  }
+  ScoreRule<T> part_rule = rule;
+  part_rule.sink.reset();
+  parallel_for<DecodeScratch<T>>(groups * parts, [&](Index t, DecodeScratch<T>& scratch) {
+    const Index g = t / parts;
+    const Index j0 = keys.begin + (t % parts) * decode_part_keys;
+    const Index cols = std::min(decode_part_keys, keys.end - j0);
+    const auto i = static_cast<std::size_t>(t);
+    store.o[i].resize(q(g).rows(), v(g).cols());
+    store.lse[i].resize(q(g).rows());
+    decode_kernel<T>(q(g), k(g).middleRows(j0, cols), v(g).middleRows(j0, cols), part_rule, scratch,
+                     store.o[i], store.lse[i].data());
+  });
+  parallel_for<Vector<T>>(groups, [&](Index g, Vector<T>& lse) {
+    const auto first = static_cast<std::size_t>(g * parts);
+    Eigen::Ref<Matrix<T>> out = o(g);
+    out = store.o[first];
+    lse = store.lse[first];
+    for (Index p = 1; p < parts; ++p) {
+      const auto i = first + static_cast<std::size_t>(p);
+      for (Index r = 0; r < out.rows(); ++r) {
+        merge_partial<T>(out.row(r), lse(r), store.o[i].row(r), store.lse[i](r));
+      }
+    }
+    for (Index r = 0; r < out.rows(); ++r) merge_sink<T>(out.row(r), lse(r), rule.sink);
+  });
+}
+
 /// Attention of one head on the path `choose_path` picks, the tiled path parallel over its query
 /// blocks: the entry point of the single-head calls.
 template <class T>
@@ -112,6 +182,10 @@ void attend_one(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>&
   const Path path = choose_path(rule, K.cols(), V.cols(), need_weights);
   if (path == Path::Tiled) {
     flash_kernel<T>(Q, K, V, rule, FlashTiles{}, O, lse);
+  } else if (path == Path::Decode && lse == nullptr) {
+    decode_groups<T>(
+        1, rule, [&](Index) { return Q; }, [&](Index) { return K; }, [&](Index) { return V; },
+        [&](Index) { return O; });
   } else {
     run_path<T>(path, Q, K, V, rule, scratch, O, lse);
   }
