@@ -2021,54 +2021,25 @@ SingleCase<T> shrink(SingleCase<T> c, const std::string& path, int budget = 4000
       }
       return false;
     };
-    // Options.
+    // Options: the case without each one in turn.
     {
+      const auto without = [&](auto field) {
+        SingleCase<T> s = c;
+        if (!(s.options.*field)) return;
+        (s.options.*field).reset();
+        attempt(s);
+      };
+      using Options = attn::AttentionOptions<T>;
+      without(&Options::mask);
+      without(&Options::bias);
+      without(&Options::window);
+      without(&Options::window_right);
+      without(&Options::query_offset);
+      without(&Options::scale);
+      without(&Options::softcap);
+      without(&Options::alibi_slope);
+      without(&Options::sink);
       SingleCase<T> s = c;
-      if (s.options.mask) {
-        s.options.mask.reset();
-        attempt(s);
-        s = c;
-      }
-      if (s.options.bias) {
-        s.options.bias.reset();
-        attempt(s);
-        s = c;
-      }
-      if (s.options.window) {
-        s.options.window.reset();
-        attempt(s);
-        s = c;
-      }
-      if (s.options.window_right) {
-        s.options.window_right.reset();
-        attempt(s);
-        s = c;
-      }
-      if (s.options.query_offset) {
-        s.options.query_offset.reset();
-        attempt(s);
-        s = c;
-      }
-      if (s.options.scale) {
-        s.options.scale.reset();
-        attempt(s);
-        s = c;
-      }
-      if (s.options.softcap) {
-        s.options.softcap.reset();
-        attempt(s);
-        s = c;
-      }
-      if (s.options.alibi_slope) {
-        s.options.alibi_slope.reset();
-        attempt(s);
-        s = c;
-      }
-      if (s.options.sink) {
-        s.options.sink.reset();
-        attempt(s);
-        s = c;
-      }
       if (s.options.causal != attn::Causal::None) {
         s.options.causal = attn::Causal::None;
         attempt(s);
