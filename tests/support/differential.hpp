@@ -753,38 +753,6 @@ bool guarded(Failures& f, const std::string& path, Body&& body) {
   return false;
 }
 
-// ================================================================================================
-// Hot-path overloads (API.md) that the library may not have yet
-// ================================================================================================
-
-template <class T, class = void>
-struct has_sdpa_into : std::false_type {};
-template <class T>
-struct has_sdpa_into<
-    T, std::void_t<decltype(attn::scaled_dot_product_attention(
-           std::declval<const attn::Matrix<T>&>(), std::declval<const attn::Matrix<T>&>(),
-           std::declval<const attn::Matrix<T>&>(), std::declval<const attn::AttentionOptions<T>&>(),
-           std::declval<attn::Matrix<T>&>()))>> : std::true_type {};
-
-template <class T, class = void>
-struct has_flash_into : std::false_type {};
-template <class T>
-struct has_flash_into<
-    T, std::void_t<decltype(attn::flash_attention(
-           std::declval<const attn::Matrix<T>&>(), std::declval<const attn::Matrix<T>&>(),
-           std::declval<const attn::Matrix<T>&>(), std::declval<const attn::AttentionOptions<T>&>(),
-           std::declval<attn::Matrix<T>&>()))>> : std::true_type {};
-
-template <class T, class = void>
-struct has_heads_into : std::false_type {};
-template <class T>
-struct has_heads_into<
-    T, std::void_t<decltype(attn::attention_heads(
-           std::declval<const attn::Tensor3<T>&>(), std::declval<const attn::Tensor3<T>&>(),
-           std::declval<const attn::Tensor3<T>&>(),
-           std::declval<const attn::AttentionOptions<T>&>(), std::declval<attn::Tensor3<T>&>()))>>
-    : std::true_type {};
-
 /// Restores the thread count when it goes out of scope.
 class Threads {
  public:
@@ -1057,17 +1025,15 @@ void check_single(const SingleCase<T>& c, Failures& f, const std::string& only =
       compare_matrix(f, path, "output", out, r.out, r, dv);
     });
   }
-  if constexpr (has_sdpa_into<T>::value) {
-    if (want("scaled_dot_product_attention(out)")) {
-      const char* path = "scaled_dot_product_attention(out)";
-      guarded(f, path, [&] {
-        attn::Matrix<T> out(3, 2);
-        attn::scaled_dot_product_attention(c.Q, c.K, c.V, o, out);
-        compare_matrix(f, path, "output", out, r.out, r, dv);
-        compare_identical(f, path, "vs the returning overload", out,
-                          attn::scaled_dot_product_attention(c.Q, c.K, c.V, o));
-      });
-    }
+  if (want("scaled_dot_product_attention(out)")) {
+    const char* path = "scaled_dot_product_attention(out)";
+    guarded(f, path, [&] {
+      attn::Matrix<T> out(3, 2);
+      attn::scaled_dot_product_attention(c.Q, c.K, c.V, o, out);
+      compare_matrix(f, path, "output", out, r.out, r, dv);
+      compare_identical(f, path, "vs the returning overload", out,
+                        attn::scaled_dot_product_attention(c.Q, c.K, c.V, o));
+    });
   }
   if (want("attention_with_weights")) {
     const char* path = "attention_with_weights";
@@ -1098,15 +1064,13 @@ void check_single(const SingleCase<T>& c, Failures& f, const std::string& only =
   flash("flash_attention(tiles)", true, false);
   flash("flash_attention(lse)", false, true);
   flash("flash_attention(lse, tiles)", true, true);
-  if constexpr (has_flash_into<T>::value) {
-    if (want("flash_attention(out)")) {
-      const char* path = "flash_attention(out)";
-      guarded(f, path, [&] {
-        attn::Matrix<T> out(1, 1);
-        attn::flash_attention(c.Q, c.K, c.V, o, out);
-        compare_matrix(f, path, "output", out, r.out, r, dv);
-      });
-    }
+  if (want("flash_attention(out)")) {
+    const char* path = "flash_attention(out)";
+    guarded(f, path, [&] {
+      attn::Matrix<T> out(1, 1);
+      attn::flash_attention(c.Q, c.K, c.V, o, out);
+      compare_matrix(f, path, "output", out, r.out, r, dv);
+    });
   }
   if (want("trace_attention")) {
     const char* path = "trace_attention";
