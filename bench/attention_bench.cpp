@@ -1,6 +1,12 @@
-// The n x n score kernel and the full attention path, each beside its naive baseline.
+// The n x n score kernel, single-head attention (the path `scaled_dot_product_attention` picks, the
+// materialised and the tiled paths) and `attention_heads`, each beside its naive baseline.
 //   build/bench/attn_bench --benchmark_filter=Scores
-// Read ratios within one run: these machines are shared and noisy.
+//   python3 bench/compare_ort.py --build build     (the same shapes against ONNX Runtime)
+// Every timed call writes into storage allocated and touched before the timing, through the
+// caller-storage overloads, so no page fault of a fresh output is timed; the one exception says so
+// in its name (BM_MaterialisedAllocating). Times and FLOP/s are wall-clock (UseRealTime): the
+// kernels run on attn's threads (OMP_NUM_THREADS with the openmp target). Read ratios within one
+// run: these machines are shared and noisy.
 
 #include "bench_support.hpp"
 
@@ -11,158 +17,224 @@ using attn::Index;
 constexpr double kFlopsPerScore = 2.0;      // one multiply-add per (i, j, c)
 constexpr double kFlopsPerAttention = 4.0;  // Q K^T and P V
 
+/// Times `call` in the benchmark loop (its output at `out` kept alive) and sets the FLOP/s counter:
+/// `flops` per call over the wall-clock time.
+template <class Call>
+void time_calls(benchmark::State& state, const Call& call, const void* out, double flops) {
+  for (auto _ : state) {
+    call();
+    benchmark::DoNotOptimize(out);
+    benchmark::ClobberMemory();
+  }
+  state.counters["FLOP/s"] =
+      benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+/// Useful flops of attention over n queries and n keys of width d, per head: causal counts the
+/// visible half of the pairs, a window its n (window + 1) pairs.
+double attention_flops(Index n, Index d, bool causal, Index window = 0) {
+  const double pairs = window > 0 ? static_cast<double>(n) * static_cast<double>(window + 1)
+                       : causal   ? 0.5 * static_cast<double>(n * n)
+                                  : static_cast<double>(n * n);
+  return kFlopsPerAttention * pairs * static_cast<double>(d);
+}
+
 template <class T>
-void BM_Scores(benchmark::State& state) {
+attn::AttentionOptions<T> options_for(bool causal, Index window = 0) {
+  attn::AttentionOptions<T> options;
+  if (causal) options.causal = attn::Causal::BottomRight;
+  if (window > 0) options.window = window;
+  return options;
+}
+
+/// One single-head case: Q, K, V of n x d from fixed seeds, the n x d output allocated and
+/// touched, the options. Arguments (n, d, causal[, window]).
+template <class T>
+struct Single {
+  Single(const benchmark::State& state, bool has_window)
+      : n(state.range(0)),
+        d(state.range(1)),
+        causal(state.range(2) != 0),
+        window(has_window ? state.range(3) : 0),
+        Q(attn_bench::random_matrix<T>(n, d, 1)),
+        K(attn_bench::random_matrix<T>(n, d, 2)),
+        V(attn_bench::random_matrix<T>(n, d, 3)),
+        O(attn::Matrix<T>::Zero(n, d)),
+        options(options_for<T>(causal, window)) {}
+  double flops() const { return attention_flops(n, d, causal, window); }
+  Index n, d;
+  bool causal;
+  Index window;
+  attn::Matrix<T> Q, K, V, O;
+  attn::AttentionOptions<T> options;
+};
+
+/// One `attention_heads` case: (heads, n, d) tensors, the layout it takes, and the output
+/// allocated and touched. Arguments (n, d, heads, causal).
+template <class T>
+struct Heads {
+  explicit Heads(const benchmark::State& state)
+      : n(state.range(0)),
+        d(state.range(1)),
+        heads(state.range(2)),
+        causal(state.range(3) != 0),
+        Q(attn_bench::random_tensor<T>(heads, n, d, 1)),
+        K(attn_bench::random_tensor<T>(heads, n, d, 2)),
+        V(attn_bench::random_tensor<T>(heads, n, d, 3)),
+        O(heads, n, d),
+        options(options_for<T>(causal)) {
+    O.setZero();
+  }
+  double flops() const { return static_cast<double>(heads) * attention_flops(n, d, causal); }
+  Index n, d, heads;
+  bool causal;
+  attn::Tensor3<T> Q, K, V, O;
+  attn::AttentionOptions<T> options;
+};
+
+/// The score kernel into caller storage (T = float or double), or its naive baseline.
+template <class T, bool naive>
+void score_case(benchmark::State& state) {
   const Index n = state.range(0);
   const Index d = state.range(1);
   const attn::Matrix<T> Q = attn_bench::random_matrix<T>(n, d, 1);
   const attn::Matrix<T> K = attn_bench::random_matrix<T>(n, d, 2);
   attn::Matrix<T> S = attn::Matrix<T>::Zero(n, n);  // touched: no page faults in the timing
   const T scale = T(1) / std::sqrt(static_cast<T>(d));
-  for (auto _ : state) {
-    attn::scores(Q, K, scale, S);
-    benchmark::DoNotOptimize(S.data());
-    benchmark::ClobberMemory();
-  }
-  state.counters["FLOP/s"] = benchmark::Counter(kFlopsPerScore * static_cast<double>(n * n * d),
-                                                benchmark::Counter::kIsIterationInvariantRate);
+  time_calls(
+      state,
+      [&] {
+        if constexpr (naive) {
+          attn_bench::naive_scores<T>(Q, K, scale, S);
+        } else {
+          attn::scores(Q, K, scale, S);
+        }
+      },
+      S.data(), kFlopsPerScore * static_cast<double>(n * n * d));
+}
+
+template <class T>
+void BM_Scores(benchmark::State& state) {
+  score_case<T, false>(state);
 }
 
 template <class T>
 void BM_ScoresNaive(benchmark::State& state) {
-  const Index n = state.range(0);
-  const Index d = state.range(1);
-  const attn::Matrix<T> Q = attn_bench::random_matrix<T>(n, d, 1);
-  const attn::Matrix<T> K = attn_bench::random_matrix<T>(n, d, 2);
-  attn::Matrix<T> S = attn::Matrix<T>::Zero(n, n);  // touched: no page faults in the timing
-  const T scale = T(1) / std::sqrt(static_cast<T>(d));
-  for (auto _ : state) {
-    attn_bench::naive_scores(Q, K, scale, S);
-    benchmark::DoNotOptimize(S.data());
-    benchmark::ClobberMemory();
-  }
-  state.counters["FLOP/s"] = benchmark::Counter(kFlopsPerScore * static_cast<double>(n * n * d),
-                                                benchmark::Counter::kIsIterationInvariantRate);
+  score_case<T, true>(state);
 }
 
+/// `scaled_dot_product_attention` into caller storage: the path it picks for the shape.
 template <class T>
 void BM_Attention(benchmark::State& state) {
-  const Index n = state.range(0);
-  const Index d = state.range(1);
-  const bool causal = state.range(2) != 0;
-  const attn::Matrix<T> Q = attn_bench::random_matrix<T>(n, d, 1);
-  const attn::Matrix<T> K = attn_bench::random_matrix<T>(n, d, 2);
-  const attn::Matrix<T> V = attn_bench::random_matrix<T>(n, d, 3);
-  attn::AttentionOptions<T> options;
-  if (causal) options.causal = attn::Causal::BottomRight;
-  for (auto _ : state) {
-    attn::Matrix<T> O = attn::scaled_dot_product_attention(Q, K, V, options);
-    benchmark::DoNotOptimize(O.data());
-  }
-  const double useful = causal ? 0.5 : 1.0;
-  state.counters["FLOP/s"] =
-      benchmark::Counter(useful * kFlopsPerAttention * static_cast<double>(n * n * d),
-                         benchmark::Counter::kIsIterationInvariantRate);
+  Single<T> c(state, false);
+  time_calls(
+      state, [&] { attn::scaled_dot_product_attention(c.Q, c.K, c.V, c.options, c.O); }, c.O.data(),
+      c.flops());
 }
 
-/// The materialised path alone (attention_with_weights keeps the n x m weights).
+/// The materialised path through `attention_with_weights`, which keeps the n x m weights and has no
+/// caller-storage overload: its output and weights are allocated on every call, and timed.
 template <class T>
-void BM_Materialised(benchmark::State& state) {
-  const Index n = state.range(0);
-  const Index d = state.range(1);
-  const bool causal = state.range(2) != 0;
-  const attn::Matrix<T> Q = attn_bench::random_matrix<T>(n, d, 1);
-  const attn::Matrix<T> K = attn_bench::random_matrix<T>(n, d, 2);
-  const attn::Matrix<T> V = attn_bench::random_matrix<T>(n, d, 3);
-  attn::AttentionOptions<T> options;
-  if (causal) options.causal = attn::Causal::BottomRight;
-  for (auto _ : state) {
-    attn::Attention<T> result = attn::attention_with_weights(Q, K, V, options);
-    benchmark::DoNotOptimize(result.output.data());
-  }
-  const double useful = causal ? 0.5 : 1.0;
-  state.counters["FLOP/s"] =
-      benchmark::Counter(useful * kFlopsPerAttention * static_cast<double>(n * n * d),
-                         benchmark::Counter::kIsIterationInvariantRate);
+void BM_MaterialisedAllocating(benchmark::State& state) {
+  const Single<T> c(state, false);
+  attn::Attention<T> result;
+  time_calls(
+      state, [&] { result = attn::attention_with_weights(c.Q, c.K, c.V, c.options); }, &result,
+      c.flops());
 }
 
-/// The tiled path; window > 0 adds a causal sliding window (FLOPs count the visible keys only).
+/// The tiled path into caller storage; window > 0 adds a causal sliding window (FLOPs count the
+/// visible keys only).
 template <class T>
 void BM_Flash(benchmark::State& state) {
-  const Index n = state.range(0);
-  const Index d = state.range(1);
-  const bool causal = state.range(2) != 0;
-  const Index window = state.range(3);
-  const attn::Matrix<T> Q = attn_bench::random_matrix<T>(n, d, 1);
-  const attn::Matrix<T> K = attn_bench::random_matrix<T>(n, d, 2);
-  const attn::Matrix<T> V = attn_bench::random_matrix<T>(n, d, 3);
-  attn::AttentionOptions<T> options;
-  if (causal) options.causal = attn::Causal::BottomRight;
-  if (window > 0) options.window = window;
-  for (auto _ : state) {
-    attn::Matrix<T> O = attn::flash_attention(Q, K, V, options);
-    benchmark::DoNotOptimize(O.data());
-  }
-  const double pairs = window > 0 ? static_cast<double>(n) * static_cast<double>(window + 1)
-                       : causal   ? 0.5 * static_cast<double>(n * n)
-                                  : static_cast<double>(n * n);
-  state.counters["FLOP/s"] = benchmark::Counter(kFlopsPerAttention * pairs * static_cast<double>(d),
-                                                benchmark::Counter::kIsIterationInvariantRate);
+  Single<T> c(state, true);
+  time_calls(
+      state, [&] { attn::flash_attention(c.Q, c.K, c.V, c.options, c.O); }, c.O.data(), c.flops());
 }
 
 template <class T>
 void BM_AttentionNaive(benchmark::State& state) {
-  const Index n = state.range(0);
-  const Index d = state.range(1);
-  const bool causal = state.range(2) != 0;
-  const attn::Matrix<T> Q = attn_bench::random_matrix<T>(n, d, 1);
-  const attn::Matrix<T> K = attn_bench::random_matrix<T>(n, d, 2);
-  const attn::Matrix<T> V = attn_bench::random_matrix<T>(n, d, 3);
-  attn::Matrix<T> S;
-  attn::Matrix<T> O;
-  for (auto _ : state) {
-    attn_bench::naive_attention(Q, K, V, causal, S, O);
-    benchmark::DoNotOptimize(O.data());
-  }
-  const double useful = causal ? 0.5 : 1.0;
-  state.counters["FLOP/s"] =
-      benchmark::Counter(useful * kFlopsPerAttention * static_cast<double>(n * n * d),
-                         benchmark::Counter::kIsIterationInvariantRate);
+  Single<T> c(state, false);
+  attn::Matrix<T> S = attn::Matrix<T>::Zero(c.n, c.n);
+  time_calls(
+      state, [&] { attn_bench::naive_attention<T>(c.Q, c.K, c.V, c.causal, S, c.O); }, c.O.data(),
+      c.flops());
+}
+
+/// `attention_heads` into caller storage: `heads` query heads, each over its own key/value head.
+template <class T>
+void BM_Heads(benchmark::State& state) {
+  Heads<T> c(state);
+  time_calls(
+      state, [&] { attn::attention_heads(c.Q, c.K, c.V, c.options, c.O); }, c.O.data(), c.flops());
+}
+
+/// The naive baseline of `attention_heads`: the plain loops of BM_AttentionNaive, head by head.
+template <class T>
+void BM_HeadsNaive(benchmark::State& state) {
+  Heads<T> c(state);
+  attn::Matrix<T> S = attn::Matrix<T>::Zero(c.n, c.n);
+  const auto each_head = [&] {
+    for (Index h = 0; h < c.heads; ++h) {
+      attn_bench::naive_attention<T>(attn::detail::slice(c.Q, h), attn::detail::slice(c.K, h),
+                                     attn::detail::slice(c.V, h), c.causal, S,
+                                     attn::detail::slice(c.O, h));
+    }
+  };
+  time_calls(state, each_head, c.O.data(), c.flops());
 }
 
 const std::vector<int64_t> kSizes = {128, 256, 512, 1024, 2048, 4096};
 
-BENCHMARK(BM_Scores<float>)->ArgsProduct({kSizes, {64, 128}})->ArgNames({"n", "d"});
-BENCHMARK(BM_Scores<double>)->ArgsProduct({kSizes, {64, 128}})->ArgNames({"n", "d"});
-BENCHMARK(BM_ScoresNaive<float>)->ArgsProduct({{128, 512, 1024}, {64}})->ArgNames({"n", "d"});
+BENCHMARK(BM_Scores<float>)->ArgsProduct({kSizes, {64, 128}})->ArgNames({"n", "d"})->UseRealTime();
+BENCHMARK(BM_Scores<double>)->ArgsProduct({kSizes, {64, 128}})->ArgNames({"n", "d"})->UseRealTime();
+BENCHMARK(BM_ScoresNaive<float>)
+    ->ArgsProduct({{128, 512, 1024}, {64}})
+    ->ArgNames({"n", "d"})
+    ->UseRealTime();
 BENCHMARK(BM_Attention<float>)
     ->ArgsProduct({{128, 512, 1024, 2048}, {64}, {0, 1}})
-    ->ArgNames({"n", "d", "causal"});
+    ->ArgNames({"n", "d", "causal"})
+    ->UseRealTime();
 BENCHMARK(BM_Attention<double>)
     ->ArgsProduct({{128, 512, 1024, 2048}, {64}, {0, 1}})
-    ->ArgNames({"n", "d", "causal"});
-BENCHMARK(BM_Materialised<float>)
+    ->ArgNames({"n", "d", "causal"})
+    ->UseRealTime();
+BENCHMARK(BM_MaterialisedAllocating<float>)
     ->ArgsProduct({{512, 1024, 2048}, {64}, {0, 1}})
-    ->ArgNames({"n", "d", "causal"});
+    ->ArgNames({"n", "d", "causal"})
+    ->UseRealTime();
 BENCHMARK(BM_Flash<float>)
     ->ArgsProduct({{512, 1024, 2048, 4096}, {64, 128}, {0, 1}, {0}})
-    ->ArgNames({"n", "d", "causal", "window"});
+    ->ArgNames({"n", "d", "causal", "window"})
+    ->UseRealTime();
 BENCHMARK(BM_Flash<float>)
     ->ArgsProduct({{2048, 4096}, {64}, {1}, {256}})
-    ->ArgNames({"n", "d", "causal", "window"});
+    ->ArgNames({"n", "d", "causal", "window"})
+    ->UseRealTime();
 BENCHMARK(BM_Flash<double>)
     ->ArgsProduct({{512, 2048}, {64}, {0, 1}, {0}})
-    ->ArgNames({"n", "d", "causal", "window"});
+    ->ArgNames({"n", "d", "causal", "window"})
+    ->UseRealTime();
 BENCHMARK(BM_AttentionNaive<float>)
     ->ArgsProduct({{128, 512, 1024}, {64}, {0, 1}})
-    ->ArgNames({"n", "d", "causal"});
+    ->ArgNames({"n", "d", "causal"})
+    ->UseRealTime();
+BENCHMARK(BM_Heads<float>)
+    ->ArgsProduct({{512, 2048, 4096}, {64}, {8}, {0, 1}})
+    ->ArgNames({"n", "d", "heads", "causal"})
+    ->UseRealTime();
+BENCHMARK(BM_HeadsNaive<float>)
+    ->ArgsProduct({{512}, {64}, {8}, {0, 1}})
+    ->ArgNames({"n", "d", "heads", "causal"})
+    ->UseRealTime();
 
 }  // namespace
 
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  attn_bench::add_simd_context();
+  attn_bench::add_context();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

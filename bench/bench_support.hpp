@@ -1,14 +1,16 @@
 #pragma once
-// Shared pieces of the benchmarks: random inputs, the Eigen SIMD set in the context, naive
-// baselines.
+// Shared pieces of the benchmarks: random inputs, the context every binary records (Eigen's SIMD
+// set, the compiler, attn's thread count), naive baselines.
 
 #include <benchmark/benchmark.h>
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <attn/attn.hpp>
 #include <cmath>
 #include <limits>
 #include <random>
+#include <string>
 
 namespace attn_bench {
 
@@ -22,17 +24,44 @@ attn::Matrix<T> random_matrix(attn::Index rows, attn::Index cols, std::uint32_t 
   return M;
 }
 
-/// Records the vector instruction set Eigen compiled for, once per benchmark binary.
-inline void add_simd_context() {
+/// A row-major (a, b, c) tensor of N(0, 1) entries from a fixed seed: (heads, tokens, features)
+/// or (batch, tokens, features).
+template <class T>
+attn::Tensor3<T> random_tensor(attn::Index a, attn::Index b, attn::Index c, std::uint32_t seed) {
+  attn::Tensor3<T> t(a, b, c);
+  Eigen::Map<attn::Matrix<T>>(t.data(), a * b, c) = random_matrix<T>(a * b, c, seed);
+  return t;
+}
+
+/// The compiler that built this binary, as it names itself.
+inline std::string compiler_name() {
+#if defined(__clang__)
+  return "clang " __clang_version__;
+#elif defined(__GNUC__)
+  return "gcc " __VERSION__;
+#elif defined(_MSC_VER)
+  return "msvc " + std::to_string(_MSC_VER);
+#else
+  return "unknown";
+#endif
+}
+
+/// Records, once per benchmark binary, the vector instruction set Eigen compiled for, Eigen's
+/// version, the compiler and the number of threads attn's kernels use (OMP_NUM_THREADS with the
+/// openmp target, else 1): the scripts print them beside the numbers.
+inline void add_context() {
   benchmark::AddCustomContext("eigen_simd", Eigen::SimdInstructionSetsInUse());
   benchmark::AddCustomContext("eigen_version", std::to_string(EIGEN_WORLD_VERSION) + "." +
                                                    std::to_string(EIGEN_MAJOR_VERSION) + "." +
                                                    std::to_string(EIGEN_MINOR_VERSION));
+  benchmark::AddCustomContext("compiler", compiler_name());
+  benchmark::AddCustomContext("attn_threads", std::to_string(attn::num_threads()));
 }
 
 /// The naive baseline: S = scale * Q K^T by three plain loops.
 template <class T>
-void naive_scores(const attn::Matrix<T>& Q, const attn::Matrix<T>& K, T scale, attn::Matrix<T>& S) {
+void naive_scores(const Eigen::Ref<const attn::Matrix<T>>& Q,
+                  const Eigen::Ref<const attn::Matrix<T>>& K, T scale, attn::Matrix<T>& S) {
   S.resize(Q.rows(), K.rows());
   for (attn::Index i = 0; i < Q.rows(); ++i) {
     for (attn::Index j = 0; j < K.rows(); ++j) {
@@ -44,12 +73,16 @@ void naive_scores(const attn::Matrix<T>& Q, const attn::Matrix<T>& K, T scale, a
 }
 
 /// The naive baseline of full attention: plain loops for scores, softmax and the weighted sum.
+/// S is the n x m work table (resized), O the n x d_v output (already that shape: a slice of a
+/// larger tensor is fine).
 template <class T>
-void naive_attention(const attn::Matrix<T>& Q, const attn::Matrix<T>& K, const attn::Matrix<T>& V,
-                     bool causal, attn::Matrix<T>& S, attn::Matrix<T>& O) {
+void naive_attention(const Eigen::Ref<const attn::Matrix<T>>& Q,
+                     const Eigen::Ref<const attn::Matrix<T>>& K,
+                     const Eigen::Ref<const attn::Matrix<T>>& V, bool causal, attn::Matrix<T>& S,
+                     Eigen::Ref<attn::Matrix<T>> O) {
   const T scale = T(1) / std::sqrt(static_cast<T>(Q.cols()));
-  naive_scores(Q, K, scale, S);
-  O.setZero(Q.rows(), V.cols());
+  naive_scores<T>(Q, K, scale, S);
+  O.setZero();
   const attn::Index shift = K.rows() - Q.rows();
   for (attn::Index i = 0; i < Q.rows(); ++i) {
     const attn::Index end = causal ? std::min(K.rows(), i + shift + 1) : K.rows();

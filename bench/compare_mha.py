@@ -2,12 +2,17 @@
 """Multi-head attention forward: attn against PyTorch's nn.MultiheadAttention, in one run.
 
     python3 bench/compare_mha.py --build build
+    python3 bench/compare_mha.py --build build --quick      (smoke test: T <= 512, short runs)
 
 Runs the Google Benchmark binary bench/attn_multi_head_bench (BM_MultiHeadForward<float>, one
 thread) and, in the same run, PyTorch's nn.MultiheadAttention (float32, eval mode, torch.no_grad(),
 need_weights=False, batch_first=True, torch.set_num_threads(1)) on the same shapes: E = 512, 8
 heads, self-attention on x of shape (B, T, 512) for T in {128, 512, 2048} and B in {1, 8}. Prints a
-markdown table of wall-clock medians and the ratio PyTorch / ours.
+markdown table of wall-clock medians and the ratio PyTorch / ours; beside them, from the same binary
+and run, the allocating overload (BM_MultiHeadForwardAllocating) over the hot path, and one of the
+layer's projections (BM_Projection: X W + b over the B T tokens) as a fraction of the single-core
+FMA peak (build/bench/attn_peak_fma_bench, measured at the start and at the end, the best kept);
+then issue 11's targets for the layer with PASS or MISS.
 
 Timing policy, the same on both sides: a warm-up of at least WARMUP_S seconds (at least one call);
 then R repeats, each running calls until MIN_TIME_S seconds have passed (at least one call) and
@@ -28,27 +33,30 @@ python3-torch).
 import argparse
 import json
 import os
-import platform
-import shlex
-import statistics
 import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import (ONE_THREAD, benchmark_names, compiler_and_flags, fma_peak,  # noqa: E402
+                          loaded_libraries, log, machine_line, markdown_table, require_binary,
+                          run_benchmarks, timed_median, verdict)
+
 EMBED_DIM = 512
 HEADS = 8
 SHAPES = [(1, 128), (1, 512), (1, 2048), (8, 128), (8, 512), (8, 2048)]  # (B, T)
-ACCEPTANCE_SHAPE = (1, 2048)
-ACCEPTANCE_RATIO = 2.0
+QUICK_SHAPES = [(1, 128), (1, 512), (8, 128)]
 WARMUP_S = 0.3
 MIN_TIME_S = 0.2
 BENCH_NAME = "BM_MultiHeadForward<float>/T:{T}/B:{B}"
-ONE_THREAD = {
-    "OMP_NUM_THREADS": "1",
-    "OPENBLAS_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "GOTO_NUM_THREADS": "1",
-}
+ALLOCATING_NAME = "BM_MultiHeadForwardAllocating<float>/T:{T}/B:{B}"
+PROJECTION_NAME = "BM_Projection<float>/T:{T}/B:{B}"
+# Issue 11's targets for the layer.
+LONG_TOKENS = 2048  # attention dominates there
+LONG_RATIO = 2.0
+OTHER_RATIO = 1.3
+PROJECTION_PEAK = 0.80
+ALLOCATING_OVER_HOT = 1.2
 
 
 def repeats_for(batch, tokens):
@@ -62,45 +70,9 @@ def repeats_for(batch, tokens):
     return 2
 
 
-def log(message):
-    print(message, file=sys.stderr, flush=True)
-
-
 # --------------------------------------------------------------------------------------------
 # PyTorch side (runs in the child process: the BLAS reads its environment when it loads)
 # --------------------------------------------------------------------------------------------
-
-
-def timed_median(call, repeats):
-    """The policy above: warm-up, then `repeats` repeats of >= MIN_TIME_S; median ms per call."""
-    start = time.perf_counter()
-    call()
-    while time.perf_counter() - start < WARMUP_S:
-        call()
-    per_call = []
-    for _ in range(repeats):
-        calls = 0
-        start = time.perf_counter()
-        while True:
-            call()
-            calls += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= MIN_TIME_S:
-                break
-        per_call.append(1e3 * elapsed / calls)
-    return statistics.median(per_call), per_call
-
-
-def loaded_libraries(words):
-    """Shared libraries mapped into this process whose file name contains one of `words`."""
-    found = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            path = line.split()[-1] if len(line.split()) >= 6 else ""
-            name = os.path.basename(path)
-            if any(w in name for w in words) and path not in found:
-                found.append(path)
-    return found
 
 
 def cpu_capability(torch):
@@ -128,7 +100,7 @@ def torch_worker(shapes):
                 out, weights = mha(x, x, x, need_weights=False)
                 assert weights is None and out.shape == x.shape
 
-            median, runs = timed_median(call, repeats_for(batch, tokens))
+            median, runs = timed_median(call, repeats_for(batch, tokens), WARMUP_S, MIN_TIME_S)
             results["%d,%d" % (batch, tokens)] = {"median_ms": median, "runs_ms": runs}
             log("[pytorch] B=%d T=%d: %.2f ms (runs %s)"
                 % (batch, tokens, median, ", ".join("%.2f" % r for r in runs)))
@@ -141,7 +113,7 @@ def torch_worker(shapes):
     json.dump({"info": info, "results": results}, sys.stdout)
 
 
-def run_torch(shapes, blas_dir):
+def run_torch(shapes, blas_dir, quick):
     env = dict(os.environ)
     env.update(ONE_THREAD)
     env["OPENBLAS_CORETYPE"] = "SkylakeX"
@@ -149,135 +121,111 @@ def run_torch(shapes, blas_dir):
         env["LD_LIBRARY_PATH"] = blas_dir + (
             ":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
     spec = json.dumps(shapes)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--torch-worker", spec],
-                          env=env, stdout=subprocess.PIPE, check=True)
+    cmd = [sys.executable, os.path.abspath(__file__), "--torch-worker", spec]
+    proc = subprocess.run(cmd + (["--quick"] if quick else []), env=env, stdout=subprocess.PIPE,
+                          check=True)
     return json.loads(proc.stdout)
 
 
 # --------------------------------------------------------------------------------------------
-# Our side: the Google Benchmark binary
+# Our side: the Google Benchmark binaries
 # --------------------------------------------------------------------------------------------
-
-
-def to_ms(value, unit):
-    return value * {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
 
 
 def run_ours(binary, shapes):
-    env = dict(os.environ)
-    env.update(ONE_THREAD)
+    """Per shape, in one process: the hot path, and the allocating overload and the projection
+    where the binary has them. Returns ({"B,T": {"median_ms", "runs_ms", "allocating_ms",
+    "projection_flops"} (NaN where the binary lacks the case)}, the context)."""
+    available = set(benchmark_names(binary, "BM_(MultiHeadForwardAllocating|Projection)<"))
     results = {}
     context = {}
     for batch, tokens in shapes:
-        name = BENCH_NAME.format(T=tokens, B=batch)
+        hot, allocating, projection = (name.format(T=tokens, B=batch) for name in
+                                       (BENCH_NAME, ALLOCATING_NAME, PROJECTION_NAME))
+        names = [hot] + [n for n in (allocating, projection) if n in available]
         repeats = repeats_for(batch, tokens)
-        cmd = [binary, "--benchmark_filter=^%s$" % name, "--benchmark_format=json",
-               "--benchmark_repetitions=%d" % repeats, "--benchmark_min_time=%g" % MIN_TIME_S,
-               "--benchmark_min_warmup_time=%g" % WARMUP_S]
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              check=True, universal_newlines=True)
-        report = json.loads(proc.stdout)
-        context = report["context"]
-        runs = [to_ms(b["real_time"], b["time_unit"]) for b in report["benchmarks"]
-                if b.get("run_type") == "iteration" and b["run_name"] == name]
-        if len(runs) != repeats:
-            sys.exit("compare_mha.py: expected %d runs of %s, got %d" % (repeats, name, len(runs)))
-        median = statistics.median(runs)
-        results["%d,%d" % (batch, tokens)] = {"median_ms": median, "runs_ms": runs}
-        log("[attn]    B=%d T=%d: %.2f ms (runs %s)"
-            % (batch, tokens, median, ", ".join("%.2f" % r for r in runs)))
+        runs, context = run_benchmarks(binary, names, ONE_THREAD, repeats, MIN_TIME_S, WARMUP_S,
+                                       "compare_mha.py")
+        nan = float("nan")
+        result = {
+            "median_ms": runs[hot]["median_ms"],
+            "runs_ms": runs[hot]["runs_ms"],
+            "allocating_ms": runs[allocating]["median_ms"] if allocating in runs else nan,
+            "projection_flops": (2.0 * batch * tokens * EMBED_DIM * EMBED_DIM /
+                                 (1e-3 * runs[projection]["median_ms"])
+                                 if projection in runs else nan),
+        }
+        results["%d,%d" % (batch, tokens)] = result
+        log("[attn]    B=%d T=%d: %.2f ms (runs %s); allocating %.2f ms; projection %.1f GFLOP/s"
+            % (batch, tokens, result["median_ms"],
+               ", ".join("%.2f" % r for r in result["runs_ms"]), result["allocating_ms"],
+               1e-9 * result["projection_flops"]))
     return results, context
 
 
-# --------------------------------------------------------------------------------------------
-# Machine, compiler and flags
-# --------------------------------------------------------------------------------------------
+def fmt(pattern, value):
+    return "n/a" if value != value else pattern % value
 
 
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def cmake_cache(build):
-    cache = {}
-    try:
-        with open(os.path.join(build, "CMakeCache.txt")) as f:
-            for line in f:
-                if "=" in line and not line.startswith(("#", "//")):
-                    key, value = line.rstrip("\n").split("=", 1)
-                    cache[key.split(":", 1)[0]] = value
-    except OSError:
-        pass
-    return cache
-
-
-def compiler_and_flags(build):
-    cache = cmake_cache(build)
-    compiler = cache.get("CMAKE_CXX_COMPILER", "c++")
-    try:
-        version = subprocess.run([compiler, "--version"], stdout=subprocess.PIPE,
-                                 universal_newlines=True).stdout.splitlines()[0]
-    except (OSError, IndexError):
-        version = compiler
-    flags = None
-    # The exact compile line, when the build uses Ninja.
-    try:
-        commands = subprocess.run(["ninja", "-C", build, "-t", "commands", "attn_multi_head_bench"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                  universal_newlines=True).stdout
-        for line in commands.splitlines():
-            if "multi_head_bench.cpp" in line and " -c " in line:
-                words = shlex.split(line)
-                flags = " ".join(w for w in words[1:] if w.startswith(("-O", "-m", "-f", "-DNDEBUG",
-                                                                       "-std", "-g")))
-    except OSError:
-        pass
-    if not flags:
-        build_type = cache.get("CMAKE_BUILD_TYPE", "")
-        flags = " ".join(filter(None, [
-            cache.get("CMAKE_CXX_FLAGS", ""),
-            cache.get("CMAKE_CXX_FLAGS_" + build_type.upper(), ""),
-            "-march=native" if cache.get("ATTN_BENCH_NATIVE", "ON") == "ON" else ""]))
-    return version, flags, cache.get("CMAKE_BUILD_TYPE", "?")
+def target_rows(shapes, ours, theirs, peak):
+    """Issue 11's targets for the layer: one row per shape and target."""
+    rows = []
+    for batch, tokens in shapes:
+        key = "%d,%d" % (batch, tokens)
+        shape = "(%d, %d, %d)" % (batch, tokens, EMBED_DIM)
+        mine = ours[key]
+        ratio = theirs[key]["median_ms"] / mine["median_ms"]
+        wanted = LONG_RATIO if tokens >= LONG_TOKENS else OTHER_RATIO
+        rows.append(["PyTorch / ours", shape, "%.2f" % ratio, ">= %.1f" % wanted,
+                     verdict(ratio >= wanted)])
+        fraction = mine["projection_flops"] / peak
+        if fraction == fraction:
+            rows.append(["projection / FMA peak", shape, "%.0f%%" % (100 * fraction),
+                         ">= %.0f%%" % (100 * PROJECTION_PEAK),
+                         verdict(fraction >= PROJECTION_PEAK)])
+        slower = mine["allocating_ms"] / mine["median_ms"]
+        if slower == slower:
+            rows.append(["allocating / hot path", shape, "%.2f" % slower,
+                         "<= %.1f" % ALLOCATING_OVER_HOT, verdict(slower <= ALLOCATING_OVER_HOT)])
+    return rows
 
 
 # --------------------------------------------------------------------------------------------
 
 
 def main():
+    global MIN_TIME_S, WARMUP_S
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--build", default="build", help="the CMake build directory (default: build)")
+    parser.add_argument("--build", default="build",
+                        help="the CMake build directory (default: build)")
     parser.add_argument("--blas-dir", default="",
                         help="a directory holding a libblas.so.3 for PyTorch (LD_LIBRARY_PATH)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: the shapes with T <= 512 and B T <= 1024, short repeats")
     parser.add_argument("--torch-worker", metavar="SHAPES", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:
+        MIN_TIME_S, WARMUP_S = 0.05, 0.05
     if args.torch_worker:
         torch_worker([tuple(s) for s in json.loads(args.torch_worker)])
         return
 
     started = time.perf_counter()
-    binary = os.path.join(args.build, "bench", "attn_multi_head_bench")
-    if not os.access(binary, os.X_OK):
-        sys.exit("compare_mha.py: %s not found; build it first:\n"
-                 "  cmake -S . -B %s -G Ninja -DCMAKE_BUILD_TYPE=Release && "
-                 "ninja -C %s attn_multi_head_bench" % (binary, args.build, args.build))
-
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    binary = require_binary(args.build, "attn_multi_head_bench", "compare_mha.py")
+    log("FMA peak (attn_peak_fma_bench) ...")
+    peak = fma_peak(args.build, MIN_TIME_S, 3, "compare_mha.py")
     log("Running %s (one thread) ..." % binary)
-    ours, context = run_ours(binary, SHAPES)
+    ours, context = run_ours(binary, shapes)
     log("Running PyTorch nn.MultiheadAttention (child process, OPENBLAS_CORETYPE=SkylakeX, "
         "one thread) ...")
-    torch_report = run_torch(SHAPES, args.blas_dir)
+    torch_report = run_torch(shapes, args.blas_dir, args.quick)
     theirs = torch_report["results"]
     info = torch_report["info"]
+    peak = max(peak, fma_peak(args.build, MIN_TIME_S, 3, "compare_mha.py"))
 
     compiler, flags, build_type = compiler_and_flags(args.build)
+    compiler = context.get("compiler", compiler)
     blas = info["blas"]
     blas_names = ", ".join(blas) if blas else "none found"
     # Debian's reference BLAS lives in .../blas/libblas.so.3 (the libblas3 package).
@@ -286,10 +234,12 @@ def main():
 
     print("## Multi-head attention forward: attn vs PyTorch nn.MultiheadAttention")
     print()
-    print("- machine: %s, %s logical CPUs (%s)" % (cpu_model(), os.cpu_count(), platform.machine()))
+    print("- machine: %s" % machine_line())
     print("- attn: %s, build type %s, flags `%s`; Eigen %s, SIMD %s; %s thread(s)"
           % (compiler, build_type, flags, context.get("eigen_version", "?"),
              context.get("eigen_simd", "?"), context.get("attn_threads", "?")))
+    print("- FMA peak: %.1f GFLOP/s on one core (`attn_peak_fma_bench`, %s)"
+          % (peak[0] * 1e-9, peak[1] or "?"))
     print("- PyTorch %s (CPU capability %s), %d thread(s); BLAS loaded: %s"
           % (info["version"], info["cpu_capability"] or "?", info["threads"], blas_names))
     print("- environment: OPENBLAS_CORETYPE=SkylakeX set for the PyTorch child%s; "
@@ -303,27 +253,31 @@ def main():
     print("- float32, E = %d, %d heads, self-attention on x of shape (B, T, %d); wall-clock "
           "median over repeats (warm-up >= %g s, each repeat >= %g s)"
           % (EMBED_DIM, HEADS, EMBED_DIM, WARMUP_S, MIN_TIME_S))
+    print("- ours: the hot path `forward(query, key, value, options, workspace, result)`; "
+          "allocating: `forward(query, key, value)`; projection: `X W_Q + b_Q` over the B T "
+          "tokens by the layer's kernel, as a fraction of the FMA peak")
     print()
-    print("| shape (B, T, E) | repeats | ours (ms) | PyTorch (ms) | PyTorch / ours |")
-    print("|---|---:|---:|---:|---:|")
-    for batch, tokens in SHAPES:
+    rows = []
+    for batch, tokens in shapes:
         key = "%d,%d" % (batch, tokens)
-        a = ours[key]["median_ms"]
-        p = theirs[key]["median_ms"]
-        ratio = p / a
-        verdict = "%.2fx faster" % ratio if ratio >= 1 else "%.2fx slower" % (1 / ratio)
-        print("| (%d, %d, %d) | %d | %.2f | %.2f | %s |"
-              % (batch, tokens, EMBED_DIM, repeats_for(batch, tokens), a, p, verdict))
+        mine, other = ours[key], theirs[key]["median_ms"]
+        ratio = other / mine["median_ms"]
+        rows.append(["(%d, %d, %d)" % (batch, tokens, EMBED_DIM), repeats_for(batch, tokens),
+                     "%.2f" % mine["median_ms"], fmt("%.2f", mine["allocating_ms"]),
+                     fmt("%.2f", mine["allocating_ms"] / mine["median_ms"]),
+                     fmt("%.0f%%", 100 * mine["projection_flops"] / peak[0]), "%.2f" % other,
+                     "%.2fx faster" % ratio if ratio >= 1 else "%.2fx slower" % (1 / ratio)])
+    print("\n".join(markdown_table(
+        ["shape (B, T, E)", "repeats", "ours (ms)", "allocating (ms)", "allocating / ours",
+         "projection % of peak", "PyTorch (ms)", "PyTorch / ours"], rows, right=range(1, 8))))
     print()
-    batch, tokens = ACCEPTANCE_SHAPE
-    key = "%d,%d" % (batch, tokens)
-    ratio = theirs[key]["median_ms"] / ours[key]["median_ms"]
-    print("Acceptance (E = %d, h = %d, T = %d, B = %d, one thread): %.2fx faster than PyTorch, "
-          "target >= %.0fx: %s"
-          % (EMBED_DIM, HEADS, tokens, batch, ratio, ACCEPTANCE_RATIO,
-             "met" if ratio >= ACCEPTANCE_RATIO else "NOT met"))
+    targets = target_rows(shapes, ours, theirs, peak[0])
+    print("\n".join(markdown_table(["target (issue 11)", "shape", "measured", "wanted", ""],
+                                   targets, right={2, 3})))
     print()
-    print("(total run time %.0f s)" % (time.perf_counter() - started))
+    print("%d of %d targets met. (total run time %.0f s)"
+          % (sum(row[-1] == "PASS" for row in targets), len(targets),
+             time.perf_counter() - started))
 
 
 if __name__ == "__main__":

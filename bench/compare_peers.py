@@ -18,19 +18,19 @@ targets. Needs Debian's python3-numpy, python3-torch and libopenblas0-pthread.
 import argparse
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_mha import (ONE_THREAD, MIN_TIME_S, WARMUP_S, compiler_and_flags, cpu_model,  # noqa: E402
-                         loaded_libraries, log, timed_median, to_ms)
+from bench_common import (ONE_THREAD, compiler_and_flags, cpu_model,  # noqa: E402
+                          loaded_libraries, log, require_binary, run_benchmarks, timed_median)
 
 D = 64
 SIZES = [512, 1024, 2048, 4096]
 REPEATS = 5
+WARMUP_S = 0.3
+MIN_TIME_S = 0.2
 
 # (row label, our benchmark name pattern, the peers' kernels to time)
 ROWS = [
@@ -79,7 +79,7 @@ def peers_worker(sizes):
         }
         with torch.no_grad():
             for (name, causal), call in kernels.items():
-                median, runs = timed_median(call, REPEATS)
+                median, runs = timed_median(call, REPEATS, WARMUP_S, MIN_TIME_S)
                 key = "%s%s" % (name, " causal" if causal else "")
                 results.setdefault(key, {})[str(n)] = median
                 log("[peers] %s n=%d: %.3f ms" % (key, n, median))
@@ -100,21 +100,9 @@ def run_peers(sizes):
 def run_ours(binary, names):
     env = dict(os.environ)
     env.update(ONE_THREAD)
-    pattern = "^(" + "|".join(names) + ")$"
-    cmd = [binary, "--benchmark_filter=" + pattern, "--benchmark_format=json",
-           "--benchmark_repetitions=%d" % REPEATS, "--benchmark_min_time=%g" % MIN_TIME_S,
-           "--benchmark_min_warmup_time=%g" % WARMUP_S]
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          check=True, universal_newlines=True)
-    report = json.loads(proc.stdout)
-    runs = {}
-    for b in report["benchmarks"]:
-        if b.get("run_type") == "iteration":
-            runs.setdefault(b["run_name"], []).append(to_ms(b["real_time"], b["time_unit"]))
-    missing = [n for n in names if n not in runs]
-    if missing:
-        sys.exit("compare_peers.py: %s did not run %s" % (binary, ", ".join(missing)))
-    return {name: statistics.median(r) for name, r in runs.items()}, report["context"]
+    runs, context = run_benchmarks(binary, names, env, REPEATS, MIN_TIME_S, WARMUP_S,
+                                   "compare_peers.py")
+    return {name: run["median_ms"] for name, run in runs.items()}, context
 
 
 def main():
@@ -126,17 +114,15 @@ def main():
         peers_worker(json.loads(args.peers_worker))
         return
     started = time.perf_counter()
-    binary = os.path.join(args.build, "bench", "attn_bench")
-    if not os.access(binary, os.X_OK):
-        sys.exit("compare_peers.py: %s not found; build it first: cmake --build %s --target "
-                 "attn_bench" % (binary, args.build))
+    binary = require_binary(args.build, "attn_bench", "compare_peers.py")
     names = [pattern.format(n=n) for _, pattern, _ in ROWS for n in SIZES]
     log("Running %s (one thread) ..." % binary)
     ours, context = run_ours(binary, names)
     log("Running NumPy and PyTorch (child process, OPENBLAS_CORETYPE=SkylakeX, one thread) ...")
     peers = run_peers(SIZES)
     theirs, info = peers["results"], peers["info"]
-    compiler, flags, build_type = compiler_and_flags(args.build)
+    compiler, flags, build_type = compiler_and_flags(args.build, "attn_bench",
+                                                     "attention_bench.cpp")
 
     print("## Single head, float32, d = 64: attn vs NumPy and PyTorch (one run)")
     print()

@@ -6,7 +6,8 @@
 // the same threads). The ratio of the two is the fraction of the bandwidth a decoding step
 // achieves.
 //   build/bench/attn_decode_bench --benchmark_counters_tabular=true
-// BM_decode_naive is the plain-loop baseline (scores, softmax, weighted sum per query head).
+// BM_decode_naive is the plain-loop baseline (scores, softmax, weighted sum per query head). Both
+// write into an output allocated before the timing (`attend`'s caller-storage overload).
 
 #include <algorithm>
 #include <cmath>
@@ -44,7 +45,7 @@ void BM_decode_step(benchmark::State& state) {
   const Index tokens = state.range(0);
   const attn::KVCache<float> cache = filled_cache(tokens);
   const attn::Matrix<float> q = attn_bench::random_matrix<float>(1, query_heads * head_dim, 3);
-  attn::Matrix<float> out;
+  attn::Matrix<float> out = attn::Matrix<float>::Zero(1, query_heads * head_dim);
   const attn::AttentionOptions<float> options;
   for (auto _ : state) {
     cache.attend(q, options, out);
@@ -93,6 +94,7 @@ void BM_decode_naive(benchmark::State& state) {
       }
     }
     benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
   }
   state.SetBytesProcessed(state.iterations() * kv_bytes(tokens));
 }
@@ -135,7 +137,7 @@ BENCHMARK(BM_decode_naive)
     ->UseRealTime();
 
 int main(int argc, char** argv) {
-  attn_bench::add_simd_context();
+  attn_bench::add_context();
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

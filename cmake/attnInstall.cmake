@@ -1,6 +1,8 @@
-# Install rules: headers, the exported attn::attn and attn::openmp targets, attnConfig.cmake and its
-# version file. attn::openmp has an export file of its own, which attnConfig.cmake loads (and finds
-# OpenMP for) only when the consumer asks for the openmp component.
+# Install rules: headers, the exported attn::attn, attn::native and attn::openmp targets,
+# attnConfig.cmake and its version file. attn::native needs nothing more than attn::attn (its flag
+# is a generator expression evaluated for the consumer's compiler), so it shares attnTargets.cmake
+# and is always there. attn::openmp has an export file of its own, which attnConfig.cmake loads
+# (and finds OpenMP for) only when the consumer asks for the openmp component.
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
@@ -8,7 +10,7 @@ include(CMakePackageConfigHelpers)
 set(ATTN_INSTALL_CMAKEDIR "${CMAKE_INSTALL_DATADIR}/cmake/attn" CACHE STRING
     "Where attnConfig.cmake is installed, relative to the prefix")
 
-install(TARGETS attn EXPORT attnTargets)
+install(TARGETS attn attn_native EXPORT attnTargets)
 install(TARGETS attn_openmp EXPORT attnOpenMPTargets)
 install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/attn" DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}")
 install(EXPORT attnTargets NAMESPACE attn:: DESTINATION "${ATTN_INSTALL_CMAKEDIR}")

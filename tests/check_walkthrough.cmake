@@ -104,11 +104,20 @@ if(output MATCHES "(^|[^A-Za-z])nan([^A-Za-z]|$)")
   problem("the output contains 'nan'")
 endif()
 
+# stderr holds nothing, or the one line of attn::simd_advice() (a build without attn::native).
+if(NOT errors STREQUAL "" AND NOT errors MATCHES "^attn: compiled for [^\n]+\n$")
+  problem("stderr holds more than the SIMD advice line: '${errors}'")
+endif()
+
 # --- The command line --------------------------------------------------------------------------
 execute_process(COMMAND "${PROGRAM}" --help RESULT_VARIABLE result OUTPUT_VARIABLE help_output)
 string(FIND "${help_output}" "usage:" position)
 if(NOT result EQUAL 0 OR position EQUAL -1)
   problem("--help: expected exit code 0 and a usage text, got '${result}'")
+endif()
+string(FIND "${help_output}" "attn::native" position)
+if(position EQUAL -1)
+  problem("--help does not mention attn::native (the SIMD advice)")
 endif()
 execute_process(COMMAND "${PROGRAM}" --no-such-option
   RESULT_VARIABLE result OUTPUT_QUIET ERROR_VARIABLE unknown_errors)

@@ -104,6 +104,36 @@ TYPED_TEST(Flash, AgreesAroundTileEdges) {
   }
 }
 
+// The register tiles of the scores and values: key widths and value widths of whole packets for
+// every SIMD set (16, 64, 128), of a chunk and a remainder (80 = 5 x 16, 136), and of no whole
+// packet (3); query blocks of 1 to 73 rows (the 12-, 6-, 3- and 1-row tiles) and key tiles that
+// start before the first visible key (a window) or end inside a panel (m = 301).
+TYPED_TEST(Flash, RegisterTilesAgreeForEveryWidth) {
+  using T = TypeParam;
+  std::mt19937 rng(31);
+  for (const Index d_v : {3, 16, 64, 80, 128, 136}) {
+    for (const Index d_k : {5, 64, 128}) {
+      for (const Index n : {1, 13, 73}) {
+        const Index m = 301;
+        const attn::Matrix<T> Q = attn_test::random_matrix<T>(n, d_k, rng);
+        const attn::Matrix<T> K = attn_test::random_matrix<T>(m, d_k, rng);
+        const attn::Matrix<T> V = attn_test::random_matrix<T>(m, d_v, rng);
+        attn::AttentionOptions<T> windowed;
+        windowed.causal = attn::Causal::BottomRight;
+        windowed.window = 70;
+        for (const auto& options : {attn::AttentionOptions<T>{}, windowed}) {
+          SCOPED_TRACE("d_k " + std::to_string(d_k) + ", d_v " + std::to_string(d_v) + ", n " +
+                       std::to_string(n) + (options.window ? ", window" : ""));
+          const attn::Matrix<T> expected = attn::attention_with_weights(Q, K, V, options).output;
+          EXPECT_TRUE(attn_test::near_t<T>(attn::flash_attention(Q, K, V, options), expected));
+          EXPECT_TRUE(attn_test::near_t<T>(
+              attn::flash_attention(Q, K, V, options, attn::FlashTiles{7, 40}), expected));
+        }
+      }
+    }
+  }
+}
+
 TYPED_TEST(Flash, FullyMaskedRowsAreZeroAndTheirLogSumExpIsMinusInfinity) {
   using T = TypeParam;
   std::mt19937 rng(7);

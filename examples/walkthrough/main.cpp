@@ -10,7 +10,12 @@
 /// Pictures (attn/render.hpp, it_example.hpp): `--svg DIR` writes the heatmaps of Parts 1 to 4 as
 /// SVG files; `--html FILE` writes the self-contained click-a-word page (illustrative hand-set
 /// weights, not a trained model) with the 3-token step-through.
+///
+/// At start, when the program was compiled for another SIMD set than the best this CPU has
+/// (attn/simd.hpp), it prints `attn::simd_advice()` to stderr: one line, which names the CMake
+/// target `attn::native` when the CPU has more.
 
+#include <attn/simd.hpp>
 #include <cstddef>
 #include <exception>
 #include <iostream>
@@ -39,7 +44,11 @@ constexpr const char* usage =
     "  --html FILE    write the click-a-word page (self-contained HTML: \"The animal didn't cross\n"
     "                 the street because it was too tired/wide\", illustrative hand-set weights,\n"
     "                 not a trained model) and the 3-token step-through\n"
-    "With --svg or --html the program writes the files and does not print the walkthrough.\n";
+    "With --svg or --html the program writes the files and does not print the walkthrough.\n"
+    "\n"
+    "When it was compiled for another SIMD set than the best this CPU has (say SSE2 on an\n"
+    "AVX-512 machine), the program first prints one line of advice to stderr; for more SIMD,\n"
+    "build it with the CMake target attn::native (-march=native).\n";
 
 /// What the command line asked for. To add an option (say `--svg FILE`): a field here, a line in
 /// `usage`, a branch in `parse_command_line`.
@@ -89,6 +98,7 @@ CommandLine parse_command_line(const std::vector<std::string>& arguments) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (const std::string advice = attn::simd_advice(); !advice.empty()) std::cerr << advice << "\n";
   CommandLine command_line;
   try {
     command_line = parse_command_line(std::vector<std::string>(argv + 1, argv + argc));

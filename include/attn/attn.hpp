@@ -28,6 +28,7 @@
 #include "positional.hpp"
 #include "projection.hpp"
 #include "scores.hpp"
+#include "simd.hpp"
 #include "softmax.hpp"
 #include "tensor.hpp"
 #include "threads.hpp"

@@ -10,70 +10,177 @@
 #include "detail/online_softmax.hpp"
 #include "detail/pipeline.hpp"
 #include "detail/score_rule.hpp"
+#include "detail/score_tiles.hpp"
+#include "detail/value_tiles.hpp"
 #include "threads.hpp"
 
 namespace attn {
 
-/// Tile sizes of `flash_attention` (rows of queries x keys per tile).
+/// Tile sizes of `flash_attention` (rows of queries x keys per tile). The key tiles are rounded up
+/// to a whole number of the score kernel's register panels (32 floats or 16 doubles with AVX-512,
+/// 16 / 8 with AVX, 8 / 4 with SSE) and start on one, so that the keys are packed once per call.
 struct FlashTiles {
-  Index query_rows = 64;
-  Index key_cols = 256;
+  Index query_rows = 72;
+  Index key_cols = 128;
 };
 
 namespace detail {
 
+/// The keys of one call packed once for the score tiles (`pack_panels`), shared by every thread:
+/// panel p holds keys [p w, (p + 1) w), w = `ScoreTile<T>::cols`.
+template <class T>
+struct PackedKeys {
+  const T* panels = nullptr;
+  Index d = 0;
+  const T* panel(Index j0) const {
+    constexpr Index w = ScoreTile<T>::cols;
+    return panels + (j0 / w) * d * w;
+  }
+};
+
+/// Packs K into `buffer` (grown, never shrunk) and returns the view.
+template <class T>
+PackedKeys<T> pack_keys(ConstRef<T> K, Vector<T>& buffer) {
+  constexpr Index w = ScoreTile<T>::cols;
+  const Index size = (K.rows() + w - 1) / w * w * K.cols();
+  if (buffer.size() < size) buffer.resize(size);
+  pack_panels<T>(
+      K.rows(), K.cols(), [&](Index j, Index c) { return K(j, c); }, buffer.data());
+  return {buffer.data(), K.cols()};
+}
+
 /// Per-thread working memory of the tiled kernel: O(tile (d_v + key_cols)).
 template <class T>
 struct FlashScratch {
-  Matrix<T> q_scaled;      ///< rows x d_k: scale * Q_i
-  Matrix<T> s_ij;          ///< rows x cols: logits, then unnormalised probabilities of one tile
+  Matrix<T> s;             ///< rows x key tile: logits, then unnormalised probabilities
+  Vector<T> alpha;         ///< each row's rescale of its running output for the current tile
   OnlineSoftmax<T> state;  ///< running output, maxima and sums of the block's rows
+  Vector<T> packed;        ///< the keys packed, when a path runs this kernel on one thread
 };
+
+/// The key tile width of `tiles`: a whole number of register panels.
+template <class T>
+Index key_tile_cols(const FlashTiles& tiles) {
+  constexpr Index w = ScoreTile<T>::cols;
+  return (tiles.key_cols + w - 1) / w * w;
+}
+
+/// S = scale * Q_i K_j^T for the block's rows and the key tile [j0, j0 + cols), j0 on a panel:
+/// the score kernel's register tiles, panel by panel (one panel stays in L1 while the block's
+/// tiles use it). Columns past the last key of a partial panel are written too (scores against
+/// the zero padding) and overwritten by the caller.
+template <class T>
+void flash_scores(ConstRef<T> Q, const PackedKeys<T>& keys, T scale, Index i0, Index rows, Index j0,
+                  Index cols, T* s, Index s_stride) {
+  using Tile = ScoreTile<T>;
+  const Index d = Q.cols();
+  const Index q_stride = Q.outerStride();
+  for (Index jj = 0; jj < cols; jj += Tile::cols) {
+    const T* panel = keys.panel(j0 + jj);
+    Index i = 0;
+    const auto tiles = [&](auto tile_rows) {
+      for (; i + Index(tile_rows.size()) <= rows; i += Index(tile_rows.size())) {
+        score_tile<T>(tile_rows, Q.data() + (i0 + i) * q_stride, q_stride, panel, d, scale,
+                      s + i * s_stride + jj, s_stride, Tile::cols, false);
+      }
+    };
+    tiles(std::make_index_sequence<std::size_t(Tile::rows)>());
+    tiles(std::make_index_sequence<std::size_t(Tile::rows / 2)>());
+    tiles(std::make_index_sequence<std::size_t(Tile::rows / 4)>());
+    tiles(std::make_index_sequence<1>());
+  }
+}
 
 /// One block of query rows [i0, i0 + rows) against every key the rule lets them see.
 ///
-/// Shape contract: Q n x d_k, K m x d_k, V m x d_v; O n x d_v receives rows [i0, i0 + rows);
-/// lse (optional) n entries. Keys outside the rows' range (causal, windows) are never visited;
-/// key tiles that the masks forbid entirely are skipped.
+/// Shape contract: Q n x d_k, K m x d_k (and `keys`, K packed), V m x d_v; O n x d_v receives
+/// rows [i0, i0 + rows); lse (optional) n entries. Key tiles outside the rows' range (causal,
+/// windows) are never visited; key tiles that the masks forbid entirely are skipped.
 ///
-/// Passes (for each key tile j of the block's range):
-///   1. s_ij = (scale Q_i) K_j^T, then the score rule on the tile (softcap, bias, ALiBi, masks).
-///   2. The online softmax of the tile's rows and o_i' = alpha o_i + p_ij V_j (`OnlineSoftmax`).
+/// Passes, for each key tile j of the block's range:
+///   1. s_ij = scale Q_i K_j^T in the score kernel's register tiles (`flash_scores`), then the
+///      score rule on the tile where it changes anything (softcap, bias, ALiBi, masks, or a tile
+///      that crosses the edge of a row's key range).
+///   2. Each row's online-softmax step (`online_softmax_step`: its max, the vectorised exp and
+///      sum, its rescale alpha), then o_i = diag(alpha) o_i + p_ij V_j in the value kernel's
+///      register tiles (`value_tiles`), the rescale fused into the load of o_i.
 /// Finally O_i = o_i / l_i, guarded, and lse_i = m_i + log(l_i); rows that came out not finite are
 /// recomputed key by key (`repair_rows`), so a forbidden key's NaN value never reaches them.
 template <class T>
-void flash_block(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& rule,
-                 const FlashTiles& tiles, Index i0, Index rows, FlashScratch<T>& scratch,
-                 Eigen::Ref<Matrix<T>> O, T* lse) {
-  scratch.q_scaled.noalias() = rule.scale * Q.middleRows(i0, rows);
-  scratch.state.start(rows, V.cols(), rule.sink);
-  const KeyRange keys = rule.keys(i0, rows);
-  for (Index j0 = keys.begin; j0 < keys.end; j0 += tiles.key_cols) {
-    const Index cols = std::min(tiles.key_cols, keys.end - j0);
+void flash_block(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const PackedKeys<T>& keys,
+                 const ScoreRule<T>& rule, const FlashTiles& tiles, Index i0, Index rows,
+                 FlashScratch<T>& scratch, Eigen::Ref<Matrix<T>> O, T* lse) {
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  constexpr Index w = ScoreTile<T>::cols;
+  const Index tile_cols = key_tile_cols<T>(tiles);
+  const Index d_v = V.cols();
+  if (scratch.s.rows() < rows || scratch.s.cols() != tile_cols) {
+    scratch.s.resize(std::max(rows, tiles.query_rows), tile_cols);
+  }
+  scratch.alpha.resize(rows);
+  scratch.state.start(rows, d_v, rule.sink);
+  T* s = scratch.s.data();
+  const Index s_stride = scratch.s.outerStride();
+  const bool plain = !rule.has_tables() && !rule.softcap;
+  const KeyRange range = rule.keys(i0, rows);
+  const KeyRange first_row = rule.keys(i0);
+  const KeyRange last_row = rule.keys(i0 + rows - 1);
+  for (Index j0 = range.begin / w * w; j0 < range.end; j0 += tile_cols) {
+    const Index cols = std::min(tile_cols, range.end - j0);
     if (rule.masked_out(i0, rows, j0, cols)) continue;
 
-    // 1. Logits of the tile, through the score rule.
-    scratch.s_ij.resize(rows, cols);
-    scratch.s_ij.noalias() = scratch.q_scaled * K.middleRows(j0, cols).transpose();
-    rule.apply(scratch.s_ij, i0, j0);
+    // 1. Logits of the tile; the rule where it changes anything.
+    flash_scores<T>(Q, keys, rule.scale, i0, rows, j0, cols, s, s_stride);
+    const Index padded = std::min(tile_cols, (cols + w - 1) / w * w);
+    const bool inside = last_row.begin <= j0 && first_row.end >= j0 + cols;
+    if (!plain || !inside) {
+      Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> tile(s, rows, cols,
+                                                          Eigen::OuterStride<>(s_stride));
+      rule.apply(tile, i0, j0);
+    }
 
-    // 2. Online softmax and weighted values of the tile.
-    scratch.state.step(scratch.s_ij, V.middleRows(j0, cols));
+    // 2. Online softmax of each row, then the weighted values with the rescale.
+    for (Index r = 0; r < rows; ++r) {
+      T* row = s + r * s_stride;
+      std::fill(row + cols, row + padded, neg_inf);
+      Eigen::Map<RowVector<T>> logits(row, padded);
+      scratch.alpha(r) = online_softmax_step<T>(logits, scratch.state.m(r), scratch.state.l(r));
+    }
+    value_tiles<T>(rows, cols, d_v, s, s_stride, V.data() + j0 * V.outerStride(), V.outerStride(),
+                   scratch.alpha.data(), scratch.state.o.data(), scratch.state.o.outerStride());
   }
   scratch.state.finish(O.middleRows(i0, rows), lse ? lse + i0 : nullptr);
   repair_rows<T>(Q, K, V, rule, i0, rows, O, lse);
 }
 
-/// The tiled kernel over all query blocks, in parallel when OpenMP is on. Each block is computed
-/// by one thread in a fixed order, so the result does not depend on the thread count.
+/// The query blocks [0, n) of one head, on this thread: the tiled path of `run_path`.
+template <class T>
+void flash_blocks(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& rule,
+                  const FlashTiles& tiles, FlashScratch<T>& scratch, Eigen::Ref<Matrix<T>> O,
+                  T* lse) {
+  const PackedKeys<T> keys = pack_keys<T>(K, scratch.packed);
+  for (Index i0 = 0; i0 < Q.rows(); i0 += tiles.query_rows) {
+    flash_block<T>(Q, K, V, keys, rule, tiles, i0, std::min(tiles.query_rows, Q.rows() - i0),
+                   scratch, O, lse);
+  }
+}
+
+/// The tiled kernel over all query blocks, in parallel when OpenMP is on: K is packed once, then
+/// each block is computed by one thread in a fixed order, so the result does not depend on the
+/// thread count. The blocks are handed out last first: with a causal mask the last ones see the
+/// most keys, and the short ones then fill the threads' ends.
 template <class T>
 void flash_kernel(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& rule,
                   const FlashTiles& tiles, Eigen::Ref<Matrix<T>> O, T* lse) {
   const Index n = Q.rows();
+  if (n == 0) return;
+  static thread_local Vector<T> packed_keys;  // the calling thread's; the workers share the view
+  const PackedKeys<T> keys = pack_keys<T>(K, packed_keys);
   const Index blocks = (n + tiles.query_rows - 1) / tiles.query_rows;
   parallel_for<FlashScratch<T>>(blocks, [&](Index b, FlashScratch<T>& scratch) {
-    const Index i0 = b * tiles.query_rows;
-    flash_block<T>(Q, K, V, rule, tiles, i0, std::min(tiles.query_rows, n - i0), scratch, O, lse);
+    const Index i0 = (blocks - 1 - b) * tiles.query_rows;
+    flash_block<T>(Q, K, V, keys, rule, tiles, i0, std::min(tiles.query_rows, n - i0), scratch, O,
+                   lse);
   });
 }
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "detail/fast_exp.hpp"
 #include "error.hpp"
 #include "types.hpp"
 
@@ -36,7 +37,12 @@ template <class T>
 T tile_max(const Eigen::Ref<const RowVector<T>>& row) {
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
   if (row.size() == 0) return neg_inf;
-  const T max = row.maxCoeff();
+  T max;
+  if constexpr (FastExp<T>::vectorised) {
+    max = packet_max<T>(row.data(), row.size());
+  } else {
+    max = row.maxCoeff();
+  }
   if (max == neg_inf && row.hasNaN()) return std::numeric_limits<T>::quiet_NaN();
   return max;
 }
@@ -49,7 +55,8 @@ constexpr T exp_normal_floor() {
 }
 
 /// `row -> exp(row - max)` in place for a finite `max`, with exactly what `std::exp` gives where it
-/// matters: 0 for -inf (masked) scores and for arguments that underflow. Eigen's vectorised exp
+/// matters: 0 for -inf (masked) scores and for arguments that underflow. Float rows take the
+/// library's vectorised exp (`detail/fast_exp.hpp`, within 2 ulp, exact underflow). Eigen's exp
 /// clamps its argument, returning a tiny denormal there instead, so it is used only when every
 /// shifted score is above `exp_normal_floor` (one vectorised min tells); other rows take `std::exp`
 /// per entry (so does a NaN or +inf `max`: its row stays NaN). Leading and trailing -inf runs (causal
@@ -67,6 +74,9 @@ T exp_shifted_inplace(Eigen::Ref<RowVector<T>> row, T max) {
   row.tail(size - end).setZero();
   if (begin == end) return T(0);
   Eigen::Ref<RowVector<T>> visible = row.segment(begin, end - begin);
+  if constexpr (FastExp<T>::vectorised) {
+    return exp_shifted_sum(visible.data(), visible.size(), max);
+  }
   if (visible.minCoeff() - max >= exp_normal_floor<T>()) {
     visible.array() = (visible.array() - max).exp();
   } else {

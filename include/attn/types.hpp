@@ -122,6 +122,15 @@ using if_extended_options = std::enable_if_t<is_extended_options_v<Options, T>, 
 /// per scalar type, not once per input type.
 template <class T>
 using ConstRef = Eigen::Ref<const Matrix<T>>;
+
+/// The SIMD packet of scalar T on the instruction set Eigen was compiled for, its lanes and the
+/// vector registers there are (32 with AVX-512, 16 elsewhere): what the register tiles are sized by.
+template <class T>
+struct Simd {
+  using Packet = typename Eigen::internal::packet_traits<T>::type;
+  static constexpr Index lanes = Eigen::internal::unpacket_traits<Packet>::size;
+  static constexpr int registers = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS;
+};
 }  // namespace detail
 
 }  // namespace attn

@@ -1,9 +1,14 @@
 # Builds and runs a tiny consumer project against attn, either installed into a staging prefix
 # (MODE=install: find_package(attn CONFIG REQUIRED [COMPONENTS openmp])) or taken as a subdirectory
-# (MODE=subdirectory). The consumer is built twice from one main.cpp: `consumer` with attn::attn,
-# whose compile command must hold no OpenMP flag, and `consumer_openmp` with attn::openmp. Finally
-# the consumer is configured as if OpenMP were missing: asking for attn::openmp must then fail,
-# with a message that names OpenMP. The last line, "package test passed", is what ctest looks for.
+# (MODE=subdirectory). The consumer is built three times from one main.cpp: `consumer` with
+# attn::attn, whose compile command must hold no OpenMP flag and no -march flag, `consumer_native`
+# with attn::native (-march=native), and `consumer_openmp` with attn::openmp. Each prints the SIMD
+# set it was compiled for (attn::simd_compiled), the CPU's (attn::simd_available) and the advice:
+# `consumer` must report SSE2 on x86-64 and, on a CPU with more, advice naming attn::native;
+# `consumer_native` must report the CPU's set (read here from /proc/cpuinfo where there is one),
+# and no advice. Finally the consumer is configured as if OpenMP were missing: asking for
+# attn::openmp must then fail, with a message that names OpenMP. The last line, "package test
+# passed", is what ctest looks for.
 cmake_minimum_required(VERSION 3.21)
 
 function(run)
@@ -39,7 +44,8 @@ if(MODE STREQUAL "subdirectory" AND EXISTS "${build}/attn/tests")
   message(FATAL_ERROR "attn built its own tests as a subproject: ATTN_BUILD_TESTS must default OFF")
 endif()
 
-# The compile commands (Ninja and Makefile generators write them): OpenMP only where asked for.
+# The compile commands (Ninja and Makefile generators write them): OpenMP and -march only where
+# asked for.
 if(EXISTS "${build}/compile_commands.json")
   file(READ "${build}/compile_commands.json" commands)
   string(JSON count LENGTH "${commands}")
@@ -49,9 +55,15 @@ if(EXISTS "${build}/compile_commands.json")
     string(JSON command GET "${commands}" ${i} command)
     string(TOLOWER "${command}" command_lower)
     string(FIND "${command_lower}" "openmp" openmp_flag)
+    string(FIND "${command_lower}" "-march=" march_flag)
+    string(FIND "${command_lower}" "-march=native" native_flag)
     if(command MATCHES "CMakeFiles/consumer\\.dir/")
       if(NOT openmp_flag EQUAL -1)
         message(FATAL_ERROR "attn::attn gave the consumer an OpenMP flag it did not ask for:\n"
+                            "${command}")
+      endif()
+      if(NOT march_flag EQUAL -1)
+        message(FATAL_ERROR "attn::attn gave the consumer a -march flag it did not ask for:\n"
                             "${command}")
       endif()
       list(APPEND checked consumer)
@@ -59,17 +71,100 @@ if(EXISTS "${build}/compile_commands.json")
       if(openmp_flag EQUAL -1)
         message(FATAL_ERROR "attn::openmp gave the consumer no OpenMP flag:\n${command}")
       endif()
+      if(NOT march_flag EQUAL -1)
+        message(FATAL_ERROR "attn::openmp gave the consumer a -march flag:\n${command}")
+      endif()
       list(APPEND checked consumer_openmp)
+    elseif(command MATCHES "CMakeFiles/consumer_native\\.dir/")
+      if(native_flag EQUAL -1 OR NOT openmp_flag EQUAL -1)
+        message(FATAL_ERROR "attn::native must give the consumer -march=native and no OpenMP "
+                            "flag:\n${command}")
+      endif()
+      list(APPEND checked consumer_native)
     endif()
   endforeach()
-  if(NOT checked MATCHES "consumer;consumer_openmp|consumer_openmp;consumer")
+  list(SORT checked)
+  if(NOT checked STREQUAL "consumer;consumer_native;consumer_openmp")
     message(FATAL_ERROR "compile_commands.json lacks a consumer's command: ${commands}")
   endif()
-  message("compile commands: -fopenmp in consumer_openmp only")
+  message("compile commands: -fopenmp in consumer_openmp only, -march=native in consumer_native "
+          "only")
 endif()
 
-run("${build}/consumer")
-message("${run_output}")
+# The SIMD set of this machine, independently of attn: the flags of /proc/cpuinfo (Linux), in the
+# names of attn::simd_name. Empty where there is no such file or the CPU is not x86.
+cmake_host_system_information(RESULT processor QUERY OS_PLATFORM)
+set(x86_64 OFF)
+if(processor MATCHES "^(x86_64|AMD64|amd64)$")
+  set(x86_64 ON)
+endif()
+set(cpu_simd "")
+if(x86_64 AND EXISTS /proc/cpuinfo)
+  file(STRINGS /proc/cpuinfo cpu_flags REGEX "^flags[ \t]*:" LIMIT_COUNT 1)
+  string(APPEND cpu_flags " ")
+  set(fma "")
+  if(cpu_flags MATCHES " fma ")
+    set(fma "+FMA")
+  endif()
+  if(cpu_flags MATCHES " avx512f ")
+    set(cpu_simd "AVX-512")  # which always has FMA
+  elseif(cpu_flags MATCHES " avx2 ")
+    set(cpu_simd "AVX2${fma}")
+  elseif(cpu_flags MATCHES " avx ")
+    set(cpu_simd "AVX${fma}")
+  else()
+    set(cpu_simd "SSE2${fma}")
+  endif()
+endif()
+
+# simd_check(<program> <expected compiled set or empty> <advice wanted: ON/OFF>): runs a consumer
+# and checks the line "simd: compiled X, available Y" and the line "advice: ...".
+function(simd_check program expected_compiled advice_wanted)
+  run("${build}/${program}")
+  message("${run_output}")
+  if(NOT run_output MATCHES "simd: compiled ([^,\n]+), available ([^\n]+)\nadvice: ([^\n]*)")
+    message(FATAL_ERROR "${program} printed no 'simd: ... advice: ...' lines:\n${run_output}")
+  endif()
+  set(compiled "${CMAKE_MATCH_1}")
+  set(available "${CMAKE_MATCH_2}")
+  set(advice "${CMAKE_MATCH_3}")
+  if(cpu_simd AND NOT available STREQUAL cpu_simd)
+    message(FATAL_ERROR "${program}: attn::simd_available() says ${available}, /proc/cpuinfo "
+                        "says ${cpu_simd}")
+  endif()
+  if(expected_compiled AND NOT compiled STREQUAL expected_compiled)
+    message(FATAL_ERROR "${program} was compiled for ${compiled}, expected ${expected_compiled}")
+  endif()
+  if(advice_wanted)
+    set(wanted "attn: compiled for ${compiled} but this CPU has ${available}: link attn::native")
+    string(FIND "${advice}" "${wanted}" position)
+    if(NOT position EQUAL 0)
+      message(FATAL_ERROR "${program}: expected advice starting '${wanted}', got '${advice}'")
+    endif()
+  elseif(NOT advice STREQUAL "(none)")
+    message(FATAL_ERROR "${program}: expected no advice, got '${advice}'")
+  endif()
+endfunction()
+
+# attn::attn: SSE2 on x86-64, and advice when the CPU has more.
+if(x86_64)
+  set(advice_wanted OFF)
+  if(cpu_simd AND NOT cpu_simd MATCHES "^SSE2")
+    set(advice_wanted ON)
+  endif()
+  simd_check(consumer "SSE2" ${advice_wanted})
+else()
+  run("${build}/consumer")
+  message("${run_output}")
+endif()
+# attn::native: what the CPU has (the available set, checked against /proc/cpuinfo), no advice.
+if(x86_64 AND cpu_simd)
+  simd_check(consumer_native "${cpu_simd}" OFF)
+else()
+  simd_check(consumer_native "" OFF)
+endif()
+message("simd: attn::attn compiled for SSE2 with advice where the CPU has more, attn::native for "
+        "the CPU's own set without advice")
 run("${build}/consumer_openmp")
 message("${run_output}")
 

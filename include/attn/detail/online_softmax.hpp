@@ -37,7 +37,13 @@ T online_softmax_step(Eigen::Ref<RowVector<T>> s, T& m, T& l) {
     return T(1);
   }
   const T alpha = std::exp(m - m_new);
-  l = alpha * l + exp_shifted_inplace<T>(s, m_new);
+  // Float rows in one vectorised pass (a masked entry's exp is exactly 0); others skip their
+  // leading and trailing -inf runs first, then take Eigen's exp.
+  if constexpr (FastExp<T>::vectorised) {
+    l = alpha * l + exp_shifted_sum<T>(s.data(), s.size(), m_new);
+  } else {
+    l = alpha * l + exp_shifted_inplace<T>(s, m_new);
+  }
   m = m_new;
   return alpha;
 }

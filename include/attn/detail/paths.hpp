@@ -94,14 +94,9 @@ void run_path(Path path, ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const Scor
                        lse);
       return;
     }
-    case Path::Tiled: {
-      const FlashTiles tiles;
-      for (Index i0 = 0; i0 < Q.rows(); i0 += tiles.query_rows) {
-        flash_block<T>(Q, K, V, rule, tiles, i0, std::min(tiles.query_rows, Q.rows() - i0),
-                       scratch.flash, O, lse);
-      }
+    case Path::Tiled:
+      flash_blocks<T>(Q, K, V, rule, FlashTiles{}, scratch.flash, O, lse);
       return;
-    }
   }
 }
 

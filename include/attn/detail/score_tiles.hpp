@@ -24,11 +24,11 @@ namespace detail {
 /// AVX-512 registers; 6 x 2 uses 12 of 16 elsewhere (the rest hold the key packets and a
 /// broadcast).
 template <class T>
-struct ScoreTile {
-  using Packet = typename Eigen::internal::packet_traits<T>::type;
-  static constexpr Index lanes = Eigen::internal::unpacket_traits<Packet>::size;
+struct ScoreTile : Simd<T> {
+  using typename Simd<T>::Packet;
+  using Simd<T>::lanes;
   static constexpr std::size_t packets = 2;
-  static constexpr Index rows = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 12 : 6;
+  static constexpr Index rows = Simd<T>::registers >= 32 ? 12 : 6;
   static constexpr Index cols = Index(packets) * lanes;
 };
 

@@ -1,0 +1,138 @@
+#pragma once
+/// \file simd.hpp
+/// Which SIMD instructions `attn`'s kernels were compiled for, which this CPU has, and one line of
+/// advice when they differ.
+///
+/// Eigen picks its packet types (SSE2, AVX, AVX2, AVX-512, NEON) at compile time from the
+/// compiler's target macros (`__AVX2__`, ...), and so do attn's own kernels. A consumer that links
+/// `attn::attn` and passes no `-march` flag gets SSE2 on x86-64 whatever the CPU. The fix is a
+/// compile flag, not a run-time switch: link the CMake target `attn::native` (`-march=native`) in
+/// every translation unit of the program that includes attn. Dispatching at run time is not
+/// possible in a header-only library: compiling the same inline Eigen and attn functions for two
+/// instruction sets in one program breaks the one-definition rule (the linker keeps one copy of
+/// each), so each set would need its own build of the kernels in its own namespace, which Eigen
+/// does not support.
+///
+/// `simd_compiled`, `simd_available` and `simd_advice()` have internal linkage (`static`): each
+/// translation unit gets its own copy, which reports the flags that unit was compiled with. As
+/// inline functions they would be merged by the linker into one copy, the very problem above.
+
+#include <Eigen/Core>
+#include <string>
+
+namespace attn {
+
+/// A SIMD instruction set as Eigen uses it. The x86 sets are ordered: each includes the ones
+/// before it.
+enum class Simd { None, SSE2, AVX, AVX2, AVX512, NEON };
+
+/// An instruction set and whether fused multiply-add is used (or available) with it.
+struct SimdSet {
+  Simd isa = Simd::None;
+  bool fma = false;
+};
+
+constexpr bool operator==(SimdSet a, SimdSet b) { return a.isa == b.isa && a.fma == b.fma; }
+constexpr bool operator!=(SimdSet a, SimdSet b) { return !(a == b); }
+
+/// \returns the set's name: "none", "SSE2", "AVX", "AVX+FMA", "AVX2", "AVX2+FMA", "AVX-512" (which
+/// always has FMA: Eigen requires it and every AVX-512 CPU has it), "NEON" or "NEON+FMA".
+inline std::string simd_name(SimdSet set) {
+  std::string name;
+  switch (set.isa) {
+    case Simd::None:
+      return "none";
+    case Simd::SSE2:
+      name = "SSE2";
+      break;
+    case Simd::AVX:
+      name = "AVX";
+      break;
+    case Simd::AVX2:
+      name = "AVX2";
+      break;
+    case Simd::AVX512:
+      return "AVX-512";
+    case Simd::NEON:
+      name = "NEON";
+      break;
+  }
+  return set.fma ? name + "+FMA" : name;
+}
+
+/// The advice for a program whose kernels were compiled for `compiled` and runs on a CPU that has
+/// `available` (a pure function; `simd_advice()` passes this translation unit's pair).
+/// \returns an empty string when the two are equal; when the CPU has more, one sentence naming
+///   both sets and `attn::native`, e.g. "attn: compiled for SSE2 but this CPU has AVX-512: link
+///   attn::native (CMake) or compile with -march=native for the faster kernels"; when it has
+///   less (a program built with `-march=native` elsewhere), one sentence saying that the program
+///   may stop on an illegal instruction.
+inline std::string simd_advice(SimdSet compiled, SimdSet available) {
+  if (compiled == available) return "";
+  const std::string sets = "attn: compiled for " + simd_name(compiled) + " but this CPU has ";
+  const bool cpu_has_more =
+      compiled.isa != available.isa ? compiled.isa < available.isa : available.fma;
+  if (cpu_has_more) {
+    return sets + simd_name(available) +
+           ": link attn::native (CMake) or compile with -march=native for the faster kernels";
+  }
+  return sets + "only " + simd_name(available) +
+         ": the program may stop on an illegal instruction; build it on this machine, or "
+         "without -march=native";
+}
+
+/// The instruction set this translation unit's kernels use: Eigen's choice, read from its macros
+/// (`EIGEN_VECTORIZE_AVX512`, `_AVX2`, `_AVX`, `_SSE2`, `_NEON`, and `EIGEN_VECTORIZE_FMA`; on NEON,
+/// FMA is `__ARM_FEATURE_FMA`). `Simd::None` when Eigen does not vectorise
+/// (`EIGEN_DONT_VECTORIZE`, or no SIMD flag on a 32-bit target).
+static constexpr SimdSet simd_compiled() {
+  SimdSet set;
+#if defined(EIGEN_VECTORIZE_AVX512)
+  set.isa = Simd::AVX512;
+#elif defined(EIGEN_VECTORIZE_AVX2)
+  set.isa = Simd::AVX2;
+#elif defined(EIGEN_VECTORIZE_AVX)
+  set.isa = Simd::AVX;
+#elif defined(EIGEN_VECTORIZE_SSE2)
+  set.isa = Simd::SSE2;
+#elif defined(EIGEN_VECTORIZE_NEON)
+  set.isa = Simd::NEON;
+#endif
+#if defined(EIGEN_VECTORIZE_FMA) || (defined(EIGEN_VECTORIZE_NEON) && defined(__ARM_FEATURE_FMA))
+  set.fma = true;
+#endif
+  return set;
+}
+
+/// The best instruction set this CPU (and its operating system) offers, in the terms of
+/// `simd_compiled`: on x86 with GCC or Clang, from `__builtin_cpu_supports` ("avx512f", "avx2",
+/// "avx", "sse2", "fma"). Elsewhere (other CPUs, other compilers) attn does not look and returns
+/// `simd_compiled()`, so that `simd_advice()` is empty there.
+/// \note Cheap (the compiler's runtime reads CPUID once); safe before `main`.
+static inline SimdSet simd_available() {
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();  // needed only before main (constructors); harmless after
+  SimdSet set;
+  if (__builtin_cpu_supports("avx512f")) {
+    set.isa = Simd::AVX512;
+  } else if (__builtin_cpu_supports("avx2")) {
+    set.isa = Simd::AVX2;
+  } else if (__builtin_cpu_supports("avx")) {
+    set.isa = Simd::AVX;
+  } else if (__builtin_cpu_supports("sse2")) {
+    set.isa = Simd::SSE2;
+  }
+  set.fma = set.isa != Simd::None && __builtin_cpu_supports("fma") != 0;
+  return set;
+#else
+  return simd_compiled();
+#endif
+}
+
+/// `simd_advice(simd_compiled(), simd_available())`: empty when this translation unit was
+/// compiled for the best set this CPU has (and wherever `simd_available` does not look), else one
+/// sentence, e.g. "attn: compiled for SSE2 but this CPU has AVX-512: link attn::native (CMake) or
+/// compile with -march=native for the faster kernels". A program may print it at start.
+static inline std::string simd_advice() { return simd_advice(simd_compiled(), simd_available()); }
+
+}  // namespace attn
