@@ -38,31 +38,19 @@ struct PackedKeys {
   }
 };
 
-/// Packs K into `buffer` (grown, never shrunk) and returns the view.
-template <class T>
-PackedKeys<T> pack_keys(ConstRef<T> K, Vector<T>& buffer) {
-  constexpr Index w = ScoreTile<T>::cols;
-  const Index size = (K.rows() + w - 1) / w * w * K.cols();
-  if (buffer.size() < size) buffer.resize(size);
-  pack_panels<T>(
-      K.rows(), K.cols(), [&](Index j, Index c) { return K(j, c); }, buffer.data());
-  return {buffer.data(), K.cols()};
-}
-
 /// Per-thread working memory of the tiled kernel: O(tile (d_v + key_cols)).
 template <class T>
 struct FlashScratch {
   Matrix<T> s;             ///< rows x key tile: logits, then unnormalised probabilities
   Vector<T> alpha;         ///< each row's rescale of its running output for the current tile
   OnlineSoftmax<T> state;  ///< running output, maxima and sums of the block's rows
-  Vector<T> packed;        ///< the keys packed, when a path runs this kernel on one thread
 };
 
-/// The key tile width of `tiles`: a whole number of register panels.
+/// `cols` rounded up to a whole number of register panels.
 template <class T>
-Index key_tile_cols(const FlashTiles& tiles) {
+Index whole_panels(Index cols) {
   constexpr Index w = ScoreTile<T>::cols;
-  return (tiles.key_cols + w - 1) / w * w;
+  return (cols + w - 1) / w * w;
 }
 
 /// S = scale * Q_i K_j^T for the block's rows and the key tile [j0, j0 + cols), j0 on a panel:
@@ -72,22 +60,10 @@ Index key_tile_cols(const FlashTiles& tiles) {
 template <class T>
 void flash_scores(ConstRef<T> Q, const PackedKeys<T>& keys, T scale, Index i0, Index rows, Index j0,
                   Index cols, T* s, Index s_stride) {
-  using Tile = ScoreTile<T>;
-  const Index d = Q.cols();
-  const Index q_stride = Q.outerStride();
-  for (Index jj = 0; jj < cols; jj += Tile::cols) {
-    const T* panel = keys.panel(j0 + jj);
-    Index i = 0;
-    const auto tiles = [&](auto tile_rows) {
-      for (; i + Index(tile_rows.size()) <= rows; i += Index(tile_rows.size())) {
-        score_tile<T>(tile_rows, Q.data() + (i0 + i) * q_stride, q_stride, panel, d, scale,
-                      s + i * s_stride + jj, s_stride, Tile::cols, false);
-      }
-    };
-    tiles(std::make_index_sequence<std::size_t(Tile::rows)>());
-    tiles(std::make_index_sequence<std::size_t(Tile::rows / 2)>());
-    tiles(std::make_index_sequence<std::size_t(Tile::rows / 4)>());
-    tiles(std::make_index_sequence<1>());
+  constexpr Index w = ScoreTile<T>::cols;
+  for (Index jj = 0; jj < cols; jj += w) {
+    score_panel<T>(Q.data() + i0 * Q.outerStride(), Q.outerStride(), rows, keys.panel(j0 + jj),
+                   Q.cols(), scale, s + jj, s_stride, w, false);
   }
 }
 
@@ -112,7 +88,7 @@ void flash_block(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const PackedKeys<T
                  FlashScratch<T>& scratch, Eigen::Ref<Matrix<T>> O, T* lse) {
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
   constexpr Index w = ScoreTile<T>::cols;
-  const Index tile_cols = key_tile_cols<T>(tiles);
+  const Index tile_cols = whole_panels<T>(tiles.key_cols);
   const Index d_v = V.cols();
   if (scratch.s.rows() < rows || scratch.s.cols() != tile_cols) {
     scratch.s.resize(std::max(rows, tiles.query_rows), tile_cols);
@@ -131,7 +107,7 @@ void flash_block(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const PackedKeys<T
 
     // 1. Logits of the tile; the rule where it changes anything.
     flash_scores<T>(Q, keys, rule.scale, i0, rows, j0, cols, s, s_stride);
-    const Index padded = std::min(tile_cols, (cols + w - 1) / w * w);
+    const Index padded = whole_panels<T>(cols);
     const bool inside = last_row.begin <= j0 && first_row.end >= j0 + cols;
     if (!plain || !inside) {
       Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> tile(s, rows, cols,
@@ -158,7 +134,7 @@ template <class T>
 void flash_blocks(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& rule,
                   const FlashTiles& tiles, FlashScratch<T>& scratch, Eigen::Ref<Matrix<T>> O,
                   T* lse) {
-  const PackedKeys<T> keys = pack_keys<T>(K, scratch.packed);
+  const PackedKeys<T> keys{pack_keys<T>(K), K.cols()};
   for (Index i0 = 0; i0 < Q.rows(); i0 += tiles.query_rows) {
     flash_block<T>(Q, K, V, keys, rule, tiles, i0, std::min(tiles.query_rows, Q.rows() - i0),
                    scratch, O, lse);
@@ -174,8 +150,7 @@ void flash_kernel(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T
                   const FlashTiles& tiles, Eigen::Ref<Matrix<T>> O, T* lse) {
   const Index n = Q.rows();
   if (n == 0) return;
-  static thread_local Vector<T> packed_keys;  // the calling thread's; the workers share the view
-  const PackedKeys<T> keys = pack_keys<T>(K, packed_keys);
+  const PackedKeys<T> keys{pack_keys<T>(K), K.cols()};  // the calling thread's; shared by all
   const Index blocks = (n + tiles.query_rows - 1) / tiles.query_rows;
   parallel_for<FlashScratch<T>>(blocks, [&](Index b, FlashScratch<T>& scratch) {
     const Index i0 = (blocks - 1 - b) * tiles.query_rows;

@@ -29,10 +29,7 @@ template <class T>
 void scores_kernel(ConstRef<T> Q, ConstRef<T> K, T scale, Matrix<T>& S) {
   S.resize(Q.rows(), K.rows());
   if (S.size() == 0) return;
-  T* packed = packed_panels<T>(K.rows(), K.cols());
-  pack_panels<T>(
-      K.rows(), K.cols(), [&](Index j, Index c) { return K(j, c); }, packed);
-  score_tiles<T>(Q, packed, scale, S);
+  score_tiles<T>(Q, pack_keys<T>(K), scale, S);
 }
 
 template <class T>

@@ -136,6 +136,33 @@ EIGEN_STRONG_INLINE void score_tile(std::index_sequence<r...>, const T* q, Index
   (store(s + Index(r) * s_stride, acc[r]), ...);
 }
 
+/// Runs `tile(std::make_index_sequence<h>(), i)` down the rows [0, rows): tiles of h = Rows rows
+/// while they fit, then Rows / 2, Rows / 4 and 1 (every register kernel's cascade for the rest).
+template <std::size_t Rows, class Tile>
+EIGEN_STRONG_INLINE void row_tiles(Index rows, const Tile& tile) {
+  static_assert(Rows >= 4, "row_tiles: Rows / 4 must be a tile of at least one row");
+  Index i = 0;
+  const auto run = [&](auto tile_rows) {
+    for (; i + Index(tile_rows.size()) <= rows; i += Index(tile_rows.size())) tile(tile_rows, i);
+  };
+  run(std::make_index_sequence<Rows>());
+  run(std::make_index_sequence<Rows / 2>());
+  run(std::make_index_sequence<Rows / 4>());
+  run(std::make_index_sequence<1>());
+}
+
+/// One key panel against `rows` query rows: the register tiles down the rows. Shape contract: q
+/// points at the first query row (row stride q_stride), s at its score in the panel's first column
+/// (row stride s_stride); see `score_tile` for the rest.
+template <class T>
+void score_panel(const T* q, Index q_stride, Index rows, const T* panel, Index d, T scale, T* s,
+                 Index s_stride, Index width, bool stream) {
+  row_tiles<std::size_t(ScoreTile<T>::rows)>(rows, [&](auto tile_rows, Index i) {
+    score_tile<T>(tile_rows, q + i * q_stride, q_stride, panel, d, scale, s + i * s_stride,
+                  s_stride, width, stream);
+  });
+}
+
 /// S = scale * Q K^T with K already packed. Shape contract: Q n x d and S n x m, row-major;
 /// `packed` holds ceil(m / cols) panels of d x cols (`pack_panels`).
 /// Pass 1 splits the queries into blocks of 8 register tiles, in parallel (`parallel_for`); pass 2,
@@ -164,18 +191,8 @@ void score_tiles(ConstRef<T> Q, const T* packed, T scale, Eigen::Ref<Matrix<T>> 
     const Index i_end = std::min(n, i_begin + block_rows);
     for (Index j0 = 0; j0 < m; j0 += cols) {
       const T* panel = packed + (j0 / cols) * d * cols;
-      const Index width = std::min(cols, m - j0);
-      const auto tiles = [&](Index& i, auto tile_rows) {
-        for (; i + Index(tile_rows.size()) <= i_end; i += Index(tile_rows.size())) {
-          score_tile<T>(tile_rows, Q.data() + i * q_stride, q_stride, panel, d, scale,
-                        S.data() + i * s_stride + j0, s_stride, width, stream);
-        }
-      };
-      Index i = i_begin;
-      tiles(i, std::make_index_sequence<std::size_t(rows)>());
-      tiles(i, std::make_index_sequence<std::size_t(rows / 2)>());
-      tiles(i, std::make_index_sequence<std::size_t(rows / 4)>());
-      tiles(i, std::make_index_sequence<1>());
+      score_panel<T>(Q.data() + i_begin * q_stride, q_stride, i_end - i_begin, panel, d, scale,
+                     S.data() + i_begin * s_stride + j0, s_stride, std::min(cols, m - j0), stream);
     }
     if (stream) stream_fence();
   });
@@ -190,6 +207,16 @@ T* packed_panels(Index m, Index d) {
   const Index size = (m + cols - 1) / cols * cols * d;
   if (packed.size() < size) packed.resize(size);
   return packed.data();
+}
+
+/// K (m x d) packed in panels into this thread's buffer (`packed_panels`): what `score_tiles` and
+/// the tiled attention kernel take. Valid until this thread packs again.
+template <class T>
+const T* pack_keys(ConstRef<T> K) {
+  T* packed = packed_panels<T>(K.rows(), K.cols());
+  pack_panels<T>(
+      K.rows(), K.cols(), [&](Index j, Index c) { return K(j, c); }, packed);
+  return packed;
 }
 
 /// Y = X W with the same register tiles (W packed by columns): `project`, `project_qkv` and the

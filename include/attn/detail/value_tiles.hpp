@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "../types.hpp"
+#include "score_tiles.hpp"
 
 namespace attn {
 namespace detail {
@@ -73,17 +74,10 @@ EIGEN_STRONG_INLINE void value_tile(std::index_sequence<r...>, const T* p, Index
 template <class T, std::size_t Packets>
 void value_tile_rows(Index rows, const T* p, Index p_stride, const T* v, Index v_stride, Index cols,
                      const T* alpha, T* o, Index o_stride) {
-  Index i = 0;
-  const auto tiles = [&](auto tile_rows) {
-    constexpr Index height = Index(tile_rows.size());
-    for (; i + height <= rows; i += height) {
-      value_tile<T, Packets>(tile_rows, p + i * p_stride, p_stride, v, v_stride, cols, alpha + i,
-                             o + i * o_stride, o_stride);
-    }
-  };
-  tiles(std::make_index_sequence<std::size_t(ValueTile<T>::rows)>());
-  tiles(std::make_index_sequence<std::size_t(ValueTile<T>::rows / 2)>());
-  tiles(std::make_index_sequence<1>());
+  row_tiles<std::size_t(ValueTile<T>::rows)>(rows, [&](auto tile_rows, Index i) {
+    value_tile<T, Packets>(tile_rows, p + i * p_stride, p_stride, v, v_stride, cols, alpha + i,
+                           o + i * o_stride, o_stride);
+  });
 }
 
 /// O = diag(alpha) O + P V_tile. Shape contract: P rows x cols (row stride p_stride), V_tile
