@@ -1,8 +1,9 @@
 # Runs attn-walkthrough and checks that it prints the documents' figures.
 # Usage: cmake -DPROGRAM=<path to attn-walkthrough> -P check_walkthrough.cmake
 #
-# Every figure below was computed independently of attn (by hand / Python's math module), not copied
-# from the program's output. Each missing figure is reported by name; the script fails at the end.
+# Every figure below was computed independently of attn (by hand, with Python's math module, or
+# with NumPy in tests/data/check_gradient_trap.py), not copied from the program's output. Each
+# missing figure is reported by name; the script fails at the end.
 
 if(NOT PROGRAM)
   message(FATAL_ERROR "check_walkthrough.cmake: pass -DPROGRAM=<path to attn-walkthrough>")
@@ -100,6 +101,64 @@ expect("sinusoidal row 1" "p = 1: [0.8415, 0.5403, 0.0100, 1.0000]")
 expect("sinusoidal row 2" "p = 2: [0.9093, -0.4161, 0.0200, 0.9998]")
 expect("RoPE rotation" "[0.5403, 0.8415, 1.0000, 0.0100], length 1.4142 = 1.4142")
 
+# Part 6: gradients. The trap table and its summary were computed independently of attn by
+# tests/data/check_gradient_trap.py (NumPy, the same splitmix64 + Box-Muller numbers; rerun it with
+# /usr/bin/python3 tests/data/check_gradient_trap.py: it prints these lines).
+# expect_row(<name> <figure>...): a line of the table holds the figures in order, spaces between.
+function(expect_row name)
+  string(REPLACE ";" " +" pattern "${ARGN}")
+  string(REPLACE "." "\\." pattern "${pattern}")
+  if(NOT output MATCHES "\n${pattern}\n")
+    string(REPLACE ";" "  " figures "${ARGN}")
+    problem("missing ${name}: a table row '${figures}'")
+    set(problem_count ${problem_count} PARENT_SCOPE)
+    set(problems "${problems}" PARENT_SCOPE)
+  endif()
+endfunction()
+expect_row("trap d_k = 16" "16" "0.0856" "0.5352" "1.71e-01" "2.35e-01")
+expect_row("trap d_k = 32" "32" "0.0874" "0.5870" "1.78e-01" "2.22e-01")
+expect_row("trap d_k = 64" "64" "0.0946" "0.9109" "1.62e-01" "6.57e-02")
+expect_row("trap d_k = 128" "128" "0.0993" "0.9668" "1.71e-01" "3.03e-02")
+expect_row("trap d_k = 256" "256" "0.0923" "0.9952" "1.64e-01" "8.47e-03")
+expect_row("trap d_k = 512" "512" "0.0909" "0.9987" "1.68e-01" "2.39e-03")
+expect_row("trap d_k = 1024" "1024" "0.0921" "0.9996" "1.63e-01" "2.65e-04")
+expect("trap: weights go one-hot" "(largest weight 0.5352 -> 0.9996)")
+expect("trap: gradients vanish" "(2.35e-01 -> 2.65e-04, 888 times smaller)")
+expect("trap: one-hot rows, unscaled" "unscaled: 0 of 64 at d_k = 16, 46 of 64 at d_k = 1024;")
+expect("trap: one-hot rows, scaled" "scaled: 0 of 64 at every d_k")
+expect("trap: whole-table norm" "(unscaled 2.8881 -> 1.1660, scaled 1.5185 -> 1.3948)")
+# The training demo: robust facts, not every digit. Chance for 6 symbols is ln 6 = 1.791759 and
+# 1/6 = 16.7%; 256 held-out sequences of 10 symbols predict 8 each, 2048 in all.
+expect("training: chance" "Chance: loss log 6 = 1.7918, accuracy 1/6 = 16.7%")
+if(NOT output MATCHES "\nstep +loss +accuracy\n0 +1\\.[6-9][0-9][0-9][0-9] ")
+  problem("training: the loss at step 0 should be near chance, 1.6 to 2.0")
+endif()
+if(NOT output MATCHES "\n300 +0\\.0[0-4][0-9][0-9] +100\\.0%\n")
+  problem("training: at step 300 the loss should be below 0.05 at 100.0% accuracy")
+endif()
+expect("training: held-out accuracy" "accuracy 100.0% (2048 of 2048 predictions)")
+# The last position's weights: position 8 (two back from 10) must take the most, at least half.
+if(output MATCHES "\\(its target is at 8\\): \\[([0-9., ]+)\\]")
+  string(REPLACE ", " ";" weights "${CMAKE_MATCH_1}")
+  list(GET weights 7 target_weight)
+  set(others ${weights})
+  list(REMOVE_AT others 7)
+  set(largest_other 0)
+  foreach(weight ${others})
+    if(weight GREATER largest_other)
+      set(largest_other ${weight})
+    endif()
+  endforeach()
+  if(NOT largest_other LESS target_weight)
+    problem("training: position 10 puts ${largest_other} on another position, ${target_weight} on 8")
+  endif()
+  if(target_weight LESS 0.5)
+    problem("training: position 10 puts only ${target_weight} on position 8")
+  endif()
+else()
+  problem("training: missing the last position's attention weights")
+endif()
+
 if(output MATCHES "(^|[^A-Za-z])nan([^A-Za-z]|$)")
   problem("the output contains 'nan'")
 endif()
@@ -115,6 +174,19 @@ string(FIND "${help_output}" "usage:" position)
 if(NOT result EQUAL 0 OR position EQUAL -1)
   problem("--help: expected exit code 0 and a usage text, got '${result}'")
 endif()
+# --help lists every part the walkthrough prints (a heading "Part N: ...").
+string(REGEX MATCHALL "\nPart [0-9]+:" headings "${output}")
+list(LENGTH headings heading_count)
+if(heading_count LESS 6)
+  problem("expected at least 6 parts, found ${heading_count} headings 'Part N:'")
+endif()
+foreach(heading ${headings})
+  string(REGEX MATCH "[0-9]+" part "${heading}")
+  string(FIND "${help_output}" "  Part ${part}  " position)
+  if(position EQUAL -1)
+    problem("--help does not list Part ${part}")
+  endif()
+endforeach()
 string(FIND "${help_output}" "attn::native" position)
 if(position EQUAL -1)
   problem("--help does not mention attn::native (the SIMD advice)")

@@ -3,13 +3,16 @@
 /// - the PyTorch float64 reference case tests/data/sinusoidal.json, through API.md's call;
 /// - the Marian/BART and tensor2tensor/fairseq layouts and odd widths against independent long
 ///   double loops written from the published formulas;
-/// - learned positions: the rows added, writable blocks, positions past the table;
+/// - learned positions: the rows added, writable blocks, positions past the table; the table's
+///   gradient (`table_gradient`, `accumulate_table_gradient`) by value, summed over calls, into
+///   blocks, against `attn::gradcheck` in double (with dX = dY), and its errors;
 /// - ALiBi slopes for H = 8 and 12 from the formulas; per-head slopes and sinks in
 ///   `attention_heads` and `MultiHeadAttention::forward` against per-head naive attention.
 
 #include <gtest/gtest.h>
 
 #include <attn/attn.hpp>
+#include <attn/gradcheck.hpp>
 #include <cmath>
 #include <cstddef>
 #include <initializer_list>
@@ -144,6 +147,93 @@ TEST(PositionalErrors, LearnedPastMaxLen) {
   attn::Matrix<float> W = attn::Matrix<float>::Zero(3, 5);
   expect_shape_error([&] { embedding.add_to(W, 0); }, {"5 columns", "4", "3 x 5", "8 x 4"});
   expect_shape_error([] { attn::LearnedPositionalEmbedding<float>(0, 4); }, {"max_len"});
+}
+
+TYPED_TEST(Positional, LearnedTableGradientIsDYAtItsPositions) {
+  using T = TypeParam;
+  std::mt19937 rng(67);
+  const attn::LearnedPositionalEmbedding<T> embedding(attn_test::random_matrix<T>(10, 4, rng));
+  const attn::Matrix<T> dY = attn_test::random_matrix<T>(3, 4, rng);
+  const attn::Matrix<T> dtable = embedding.table_gradient(dY, 6);
+  ASSERT_EQ(dtable.rows(), 10);
+  ASSERT_EQ(dtable.cols(), 4);
+  EXPECT_TRUE(attn_test::identical(dtable.middleRows(6, 3), dY));
+  EXPECT_TRUE(attn_test::all_zero(dtable.topRows(6)));
+  EXPECT_TRUE(attn_test::all_zero(dtable.bottomRows(1)));
+  EXPECT_TRUE(attn_test::identical(embedding.table_gradient(dY), [&] {
+    attn::Matrix<T> at_zero = attn::Matrix<T>::Zero(10, 4);
+    at_zero.topRows(3) = dY;
+    return at_zero;
+  }()));
+
+  // Two calls of one step, overlapping at position 6: their gradients add.
+  const attn::Matrix<T> dY2 = attn_test::random_matrix<T>(4, 4, rng);
+  attn::Matrix<T> sum = attn::Matrix<T>::Zero(10, 4);
+  embedding.accumulate_table_gradient(dY, 6, sum);
+  embedding.accumulate_table_gradient(dY2, 3, sum);
+  const attn::Matrix<T> expected = dtable + embedding.table_gradient(dY2, 3);
+  EXPECT_TRUE(attn_test::identical(sum, expected));
+  EXPECT_EQ(sum(6, 1), dY(0, 1) + dY2(3, 1));
+  // Into a block of a larger buffer (a temporary expression), and into a column-major matrix.
+  attn::Matrix<T> buffer = attn::Matrix<T>::Zero(10, 7);
+  embedding.accumulate_table_gradient(dY, 6, buffer.middleCols(2, 4));
+  embedding.accumulate_table_gradient(dY2, 3, buffer.middleCols(2, 4));
+  EXPECT_TRUE(attn_test::identical(buffer.middleCols(2, 4), expected));
+  EXPECT_TRUE(attn_test::all_zero(buffer.leftCols(2)));
+  EXPECT_TRUE(attn_test::all_zero(buffer.rightCols(1)));
+  Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> column_major =
+      Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>::Zero(10, 4);
+  embedding.accumulate_table_gradient(dY, 6, column_major);
+  EXPECT_TRUE(attn_test::identical(attn::Matrix<T>(column_major), dtable));
+}
+
+TEST(LearnedPositionalGradient, GradcheckOfTheTableAndX) {
+  // loss = sum(sin(X + table rows [offset, offset + n)) o G): dY = G o cos(Y), d table as
+  // table_gradient(dY, offset), dX = dY.
+  std::mt19937 rng(71);
+  std::uniform_int_distribution<Index> size(1, 6);
+  for (int trial = 0; trial < 4; ++trial) {
+    const Index max_len = size(rng) + 2;
+    const Index d_model = size(rng);
+    const Index n = std::uniform_int_distribution<Index>(1, max_len)(rng);
+    const Index offset = std::uniform_int_distribution<Index>(0, max_len - n)(rng);
+    const std::vector<attn::Matrix<double>> inputs = {
+        attn_test::random_matrix<double>(max_len, d_model, rng),
+        attn_test::random_matrix<double>(n, d_model, rng)};
+    const attn::Matrix<double> G = attn_test::random_matrix<double>(n, d_model, rng);
+    const auto loss = [&](const std::vector<attn::Matrix<double>>& in) {
+      const attn::LearnedPositionalEmbedding<double> embedding(in[0]);
+      return embedding.added(in[1], offset).array().sin().cwiseProduct(G.array()).sum();
+    };
+    const attn::LearnedPositionalEmbedding<double> embedding(inputs[0]);
+    const attn::Matrix<double> dY =
+        embedding.added(inputs[1], offset).array().cos().cwiseProduct(G.array()).matrix();
+    const attn::GradcheckResult result =
+        attn::gradcheck(loss, inputs, {embedding.table_gradient(dY, offset), dY});
+    EXPECT_TRUE(result) << max_len << " x " << d_model << ", n " << n << ", offset " << offset
+                        << ": " << result.message;
+  }
+}
+
+TEST(PositionalErrors, LearnedGradientBadArguments) {
+  const attn::LearnedPositionalEmbedding<float> embedding(8, 4);
+  const attn::Matrix<float> dY = attn::Matrix<float>::Zero(3, 4);
+  expect_shape_error(
+      [&] { embedding.table_gradient(dY, 6); },
+      {"LearnedPositionalEmbedding::table_gradient", "6 .. 8", "0 .. 7", "dY is 3 x 4", "8 x 4"});
+  expect_shape_error([&] { embedding.table_gradient(dY, -1); }, {"table_gradient", "-1"});
+  const attn::Matrix<float> wide = attn::Matrix<float>::Zero(3, 5);
+  expect_shape_error([&] { embedding.table_gradient(wide); },
+                     {"table_gradient", "dY has 5 columns", "dY is 3 x 5", "8 x 4"});
+  attn::Matrix<float> dtable = attn::Matrix<float>::Zero(8, 4);
+  expect_shape_error([&] { embedding.accumulate_table_gradient(dY, 7, dtable); },
+                     {"LearnedPositionalEmbedding::accumulate_table_gradient", "7 .. 9"});
+  expect_shape_error([&] { embedding.accumulate_table_gradient(wide, 0, dtable); },
+                     {"accumulate_table_gradient", "dY has 5 columns"});
+  attn::Matrix<float> short_table = attn::Matrix<float>::Zero(7, 4);
+  expect_shape_error([&] { embedding.accumulate_table_gradient(dY, 0, short_table); },
+                     {"accumulate_table_gradient", "dtable is 7 x 4", "the table is 8 x 4"});
+  EXPECT_TRUE(attn_test::all_zero(dtable));  // nothing was added before the checks threw
 }
 
 // ------------------------------------------------------------------------------------------------

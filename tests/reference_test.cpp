@@ -1,6 +1,6 @@
 /// The PyTorch float64 reference cases tests/data/sdpa_*.json (see tests/data/README.md; generated
 /// by PyTorch 1.13 plain tensor code), in float and double, through every attention entry point.
-/// The gradient cases (sdpa_grad_*) belong to a later issue; softmax_rows.json is tested in
+/// The gradient cases (sdpa_grad_*) are tested in backward_test.cpp; softmax_rows.json is tested in
 /// softmax_test.cpp.
 
 #include <gtest/gtest.h>

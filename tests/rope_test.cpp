@@ -10,12 +10,19 @@
 ///   attention scores), the errors;
 /// - YaRN (Peng et al. 2023): the blended frequencies against a long double loop from the formula,
 ///   the NumPy reference case tests/data/rope_yarn.json (tests/data/make_yarn.py), yarn_factor = 1
-///   as plain RoPE bit for bit, a YaRN KVCache against RoPE then causal attention, and its errors.
+///   as plain RoPE bit for bit, a YaRN KVCache against RoPE then causal attention, and its errors;
+/// - the backward (`rope_backward`, `rope_backward_inplace`): `attn::gradcheck` of
+///   sum(rope(X) o G) in double for both pairings and every option (partial rotation, base,
+///   linear, NTK, YaRN with its default and a given attention factor, other betas), random shapes
+///   and offsets; the adjoint identity <rope(X), G> = <X, rope_backward(G)> and float against
+///   double; rope_backward(rope(X)) = m^2 X; the overloads and the in-place and copy paths agree
+///   bit for bit; the errors.
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <attn/attn.hpp>
+#include <attn/gradcheck.hpp>
 #include <cmath>
 #include <cstddef>
 #include <initializer_list>
@@ -515,6 +522,189 @@ TEST(RopeErrors, YarnBadOptions) {
   config.rope_options = yarn_options<float>(4.0f, 0);
   expect_shape_error([&] { attn::KVCache<float> cache(config); },
                      {"attn::KVCache", "yarn_original_max_positions"});
+}
+
+// ------------------------------------------------------------------------------------------------
+// Backward
+// ------------------------------------------------------------------------------------------------
+
+/// The option sets the backward runs under, for one head of d >= 6 features (d even): every
+/// `RopeOptions` field on its own, and YaRN with partial rotation, a given attention factor and
+/// other betas.
+template <class T>
+std::vector<std::pair<std::string, attn::RopeOptions<T>>> rope_backward_option_sets(Index d) {
+  std::vector<std::pair<std::string, attn::RopeOptions<T>>> sets;
+  sets.emplace_back("default", attn::RopeOptions<T>{});
+  attn::RopeOptions<T> o;
+  o.base = T(500000);
+  sets.emplace_back("base 500000", o);
+  o = {};
+  o.rotary_dim = d - 2;  // the last two features pass through
+  sets.emplace_back("rotary_dim d - 2", o);
+  o = {};
+  o.linear_scale = T(4);
+  sets.emplace_back("linear_scale 4", o);
+  o = {};
+  o.ntk_scale = T(8);
+  o.rotary_dim = d - 2;
+  sets.emplace_back("ntk_scale 8, rotary_dim d - 2", o);
+  // base 100, L = 64: with d_rot of 6 to 12, pairs are kept, blended and divided.
+  sets.emplace_back("yarn 4", yarn_options<T>(T(4), 64, 0, T(100)));
+  o = yarn_options<T>(T(8), 64, d - 4, T(100));
+  o.yarn_attention_factor = T(1.375);
+  o.yarn_beta_fast = T(16);
+  o.yarn_beta_slow = T(2);
+  sets.emplace_back("yarn 8, rotary_dim d - 4, attention factor 1.375, betas 16 / 2", o);
+  return sets;
+}
+
+/// YaRN's attention factor m of `options` (1 without YaRN): the backward scales by it, as rope.
+template <class T>
+double rope_magnitude(const attn::RopeOptions<T>& options) {
+  if (options.yarn_factor == T(1)) return 1.0;
+  if (options.yarn_attention_factor) return static_cast<double>(*options.yarn_attention_factor);
+  return 0.1 * std::log(static_cast<double>(options.yarn_factor)) + 1.0;
+}
+
+TEST(RopeBackward, GradcheckEveryStyleAndOption) {
+  std::mt19937 rng(47);
+  std::uniform_int_distribution<Index> rows(1, 5);
+  std::uniform_int_distribution<Index> half_width(3, 6);  // d = 6 .. 12
+  std::uniform_int_distribution<Index> position(0, 3000);
+  for (int trial = 0; trial < 3; ++trial) {
+    const Index n = rows(rng);
+    const Index d = 2 * half_width(rng);
+    const Index offset = trial == 0 ? 0 : position(rng);  // offset 0: row 0 does not turn
+    const std::vector<attn::Matrix<double>> inputs = {attn_test::random_matrix<double>(n, d, rng)};
+    const attn::Matrix<double> G = attn_test::random_matrix<double>(n, d, rng);
+    for (const RopeStyle style : {RopeStyle::Interleaved, RopeStyle::Half}) {
+      for (const auto& [name, options] : rope_backward_option_sets<double>(d)) {
+        const auto loss = [&, &opts = options](const std::vector<attn::Matrix<double>>& in) {
+          return attn::rope(in[0], offset, style, opts).cwiseProduct(G).sum();
+        };
+        const attn::GradcheckResult result =
+            attn::gradcheck(loss, inputs, {attn::rope_backward(G, offset, style, options)});
+        EXPECT_TRUE(result) << name << (style == RopeStyle::Half ? ", Half" : ", Interleaved")
+                            << ", " << n << " x " << d << ", offset " << offset << ": "
+                            << result.message;
+      }
+    }
+  }
+}
+
+TYPED_TEST(Rope, BackwardIsTheAdjointAndFloatMatchesDouble) {
+  using T = TypeParam;
+  std::mt19937 rng(53);
+  const Index n = 6;
+  const Index d = 10;
+  const attn::Matrix<T> X = attn_test::random_matrix<T>(n, d, rng);
+  const attn::Matrix<T> G = attn_test::random_matrix<T>(n, d, rng);
+  const attn::Matrix<double> G_double = G.template cast<double>();
+  // The same option sets in double (their values are exact in float).
+  const auto sets = rope_backward_option_sets<T>(d);
+  const auto sets_double = rope_backward_option_sets<double>(d);
+  for (const RopeStyle style : {RopeStyle::Interleaved, RopeStyle::Half}) {
+    for (std::size_t k = 0; k < sets.size(); ++k) {
+      const auto& [name, options] = sets[k];
+      const attn::Matrix<T> dX = attn::rope_backward(G, 700, style, options);
+      // <rope(X), G> = <X, rope_backward(G)>: the backward is the forward's transpose.
+      const attn::Matrix<T> Y = attn::rope(X, 700, style, options);
+      const double forward_side = static_cast<double>(Y.cwiseProduct(G).sum());
+      const double backward_side = static_cast<double>(X.cwiseProduct(dX).sum());
+      const double terms = static_cast<double>(Y.cwiseAbs().cwiseProduct(G.cwiseAbs()).sum() +
+                                               X.cwiseAbs().cwiseProduct(dX.cwiseAbs()).sum());
+      EXPECT_NEAR(backward_side, forward_side,
+                  8 * static_cast<double>(std::numeric_limits<T>::epsilon()) * terms)
+          << name;
+      // The same gradient as the double code, to T's rounding (the angles are double in both).
+      const attn::Matrix<double> dX_double =
+          attn::rope_backward(G_double, 700, style, sets_double[k].second);
+      EXPECT_TRUE(attn_test::near_t<T>(dX, dX_double)) << name;
+    }
+  }
+}
+
+TYPED_TEST(Rope, BackwardOfRopeIsTheFactorSquaredTimesX) {
+  using T = TypeParam;
+  std::mt19937 rng(59);
+  const attn::Matrix<T> X = attn_test::random_matrix<T>(5, 12, rng);
+  for (const RopeStyle style : {RopeStyle::Interleaved, RopeStyle::Half}) {
+    for (const auto& [name, options] : rope_backward_option_sets<T>(12)) {
+      // R^T (m R) x = m x on the rotated features: m^2 x after both; the rest pass through.
+      const Index d_rot = options.rotary_dim == 0 ? 12 : options.rotary_dim;
+      const double m = rope_magnitude(options);
+      attn::Matrix<double> expected = X.template cast<double>();
+      expected.leftCols(d_rot) *= m * m;
+      const attn::Matrix<T> back =
+          attn::rope_backward(attn::rope(X, 1234, style, options), 1234, style, options);
+      EXPECT_TRUE(
+          attn_test::near(back, expected, 4 * attn_test::Tol<T>::rel, 4 * attn_test::Tol<T>::abs))
+          << name;
+      EXPECT_TRUE(attn_test::identical(back.rightCols(12 - d_rot), X.rightCols(12 - d_rot)))
+          << name;
+    }
+  }
+}
+
+TYPED_TEST(Rope, BackwardOverloadsAndInPlaceAgree) {
+  using T = TypeParam;
+  std::mt19937 rng(61);
+  const attn::Matrix<T> G = attn_test::random_matrix<T>(7, 8, rng);
+  for (const RopeStyle style : {RopeStyle::Interleaved, RopeStyle::Half}) {
+    const attn::RopeOptions<T> options = yarn_options<T>(T(4), 32, 6);
+    const attn::Matrix<T> dX = attn::rope_backward(G, 9, style, options);
+    attn::Matrix<T> in_place = G;
+    attn::rope_backward_inplace(in_place, 9, style, options);
+    EXPECT_TRUE(attn_test::identical(in_place, dX));
+    // A column-major matrix (the copy path) and a temporary block of a wider matrix.
+    Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> column_major = G;
+    attn::rope_backward_inplace(column_major, 9, style, options);
+    EXPECT_TRUE(attn_test::identical(attn::Matrix<T>(column_major), dX));
+    attn::Matrix<T> wide = attn::Matrix<T>::Zero(9, 8);
+    wide.middleRows(1, 7) = G;
+    attn::rope_backward_inplace(wide.middleRows(1, 7), 9, style, options);
+    EXPECT_TRUE(attn_test::identical(wide.middleRows(1, 7), dX));
+    EXPECT_TRUE(attn_test::all_zero(wide.row(0)));
+    // The default options: omitted, `{}`, and the base shorthand.
+    const attn::Matrix<T> plain = attn::rope_backward(G, 9, style, attn::RopeOptions<T>{});
+    EXPECT_TRUE(attn_test::identical(attn::rope_backward(G, 9, style), plain));
+    EXPECT_TRUE(attn_test::identical(attn::rope_backward(G, 9, style, {}), plain));
+    EXPECT_TRUE(attn_test::identical(attn::rope_backward(G, 9, style, 10000), plain));
+    attn::RopeOptions<T> llama;
+    llama.base = T(500000);
+    EXPECT_TRUE(attn_test::identical(attn::rope_backward(G, 9, style, 500000),
+                                     attn::rope_backward(G, 9, style, llama)));
+    attn::Matrix<T> plain_in_place = G;
+    attn::rope_backward_inplace(plain_in_place, 9, style);
+    EXPECT_TRUE(attn_test::identical(plain_in_place, plain));
+    // The forward is unchanged by the backward's sign: rope's rotation is not its transpose.
+    EXPECT_FALSE(attn_test::identical(attn::rope(G, 9, style), plain));
+  }
+}
+
+TEST(RopeErrors, BackwardBadArguments) {
+  const attn::Matrix<float> odd = attn::Matrix<float>::Zero(2, 5);
+  expect_shape_error([&] { attn::rope_backward(odd, 0, RopeStyle::Half); },
+                     {"attn::rope_backward", "rotary_dim", "5"});
+  const attn::Matrix<float> dY = attn::Matrix<float>::Zero(2, 4);
+  expect_shape_error([&] { attn::rope_backward(dY, -2, RopeStyle::Half); },
+                     {"attn::rope_backward", "offset", "-2", "dY is 2 x 4"});
+  expect_shape_error([&] { attn::rope_backward(dY, 0, RopeStyle::Half, 0.0f); }, {"base"});
+  attn::RopeOptions<float> options;
+  options.rotary_dim = 6;
+  expect_shape_error([&] { attn::rope_backward(dY, 0, RopeStyle::Interleaved, options); },
+                     {"attn::rope_backward", "rotary_dim", "6"});
+  attn::RopeOptions<float> yarn = yarn_options<float>(4.0f, 32);
+  yarn.linear_scale = 2.0f;
+  expect_shape_error([&] { attn::rope_backward(dY, 0, RopeStyle::Half, yarn); },
+                     {"attn::rope_backward", "yarn_factor = 4", "linear_scale = 2"});
+  attn::Matrix<float> in_place = dY;
+  expect_shape_error([&] { attn::rope_backward_inplace(in_place, -1, RopeStyle::Half); },
+                     {"attn::rope_backward_inplace", "offset", "-1", "dY is 2 x 4"});
+  Eigen::MatrixXf column_major = Eigen::MatrixXf::Zero(2, 4);
+  expect_shape_error(
+      [&] { attn::rope_backward_inplace(column_major, 0, RopeStyle::Half, options); },
+      {"attn::rope_backward_inplace", "rotary_dim", "6"});
 }
 
 }  // namespace

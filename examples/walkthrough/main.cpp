@@ -5,11 +5,13 @@
 ///
 /// Only the documents' inputs are typed in; every other number comes from the library at run time
 /// (`attn::project_qkv` and `attn::trace_attention`, whose trace keeps every intermediate table;
-/// `attn::MultiHeadAttention` for Part 4).
+/// `attn::MultiHeadAttention` for Part 4; `attn::softmax_rows_backward` and
+/// `attn::attention_backward` for Part 6).
 ///
-/// Pictures (attn/render.hpp, it_example.hpp): `--svg DIR` writes the heatmaps of Parts 1 to 4 as
-/// SVG files; `--html FILE` writes the self-contained click-a-word page (illustrative hand-set
-/// weights, not a trained model) with the 3-token step-through.
+/// Pictures (attn/render.hpp, line_chart.hpp, it_example.hpp): `--svg DIR` writes the heatmaps
+/// of Parts 1 to 4 and Part 6's line charts as SVG files; `--html FILE` writes the
+/// self-contained click-a-word page (illustrative hand-set weights, not a trained model) with the
+/// 3-token step-through.
 ///
 /// At start, when the program was compiled for another SIMD set than the best this CPU has
 /// (attn/simd.hpp), it prints `attn::simd_advice()` to stderr: one line, which names the CMake
@@ -36,11 +38,15 @@ constexpr const char* usage =
     "  Part 2  the second document's \"I love AI\" NumPy example\n"
     "  Part 3  the 3-token example with a causal mask\n"
     "  Part 4  the second document's multi-head layer (E = 512, 8 heads) on x of (2, 10, 512)\n"
+    "  Part 5  positions: \"dog bites man\" vs \"man bites dog\" without positions, with a\n"
+    "          sinusoidal encoding and with RoPE\n"
+    "  Part 6  gradients: why the scores are divided by sqrt(d_k) (the softmax's gradient with\n"
+    "          and without it, d_k = 16 to 1024), and one attention layer trained by SGD\n"
     "\n"
     "options:\n"
     "  -h, --help     print this help and exit\n"
-    "  --svg DIR      write the heatmaps of Parts 1 to 4 as SVG files into DIR (created if\n"
-    "                 needed)\n"
+    "  --svg DIR      write the heatmaps of Parts 1 to 4 and Part 6's gradient chart as SVG\n"
+    "                 files into DIR (created if needed)\n"
     "  --html FILE    write the click-a-word page (self-contained HTML: \"The animal didn't cross\n"
     "                 the street because it was too tired/wide\", illustrative hand-set weights,\n"
     "                 not a trained model) and the 3-token step-through\n"
@@ -127,6 +133,7 @@ int main(int argc, char** argv) {
     walkthrough::part3();
     walkthrough::part4();
     walkthrough::part5();
+    walkthrough::part6();
   } catch (const std::exception& error) {
     std::cerr << "attn-walkthrough: " << error.what() << "\n";
     return 1;

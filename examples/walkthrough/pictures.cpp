@@ -1,9 +1,11 @@
 /// \file pictures.cpp
-/// `--svg DIR` and `--html FILE`: the heatmaps of Parts 1 to 4 (attn/render.hpp) and the
-/// click-a-word page (it_example.hpp). The documents' inputs are those of documents.hpp.
+/// `--svg DIR` and `--html FILE`: the heatmaps of Parts 1 to 4 (attn/render.hpp), Part 6's trap as
+/// line charts (line_chart.hpp) and the click-a-word page (it_example.hpp). The documents' inputs
+/// are those of documents.hpp.
 
 #include <attn/attn.hpp>
 #include <attn/render.hpp>
+#include <cstddef>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -14,6 +16,7 @@
 #include "../documents.hpp"
 #include "../it_example.hpp"
 #include "format.hpp"
+#include "line_chart.hpp"
 #include "walkthrough.hpp"
 
 namespace walkthrough {
@@ -70,6 +73,41 @@ void write_svgs(const std::filesystem::path& dir) {
   options.title = "Part 4: head 1 of 8, sentence 1 (random x, Xavier weights, seed " +
                   std::to_string(layer_seed) + ")";
   write_file(dir / "multi_head_head1.svg", attn::heatmap_svg(head1, positions, positions, options));
+
+  // Part 6's trap: the typical row's gradient norm (left) and largest weight (right) against d_k,
+  // with and without the 1/√d_k scale.
+  const std::vector<TrapRow> trap = measure_trap();
+  ChartSeries scaled{"scaled, Q K^T / √d_k", {}, {}, "#3b518b", false};
+  ChartSeries unscaled{"unscaled, Q K^T", {}, {}, "#e8710a", true};
+  for (const TrapRow& row : trap) {
+    scaled.x.push_back(static_cast<double>(row.d_k));
+    scaled.y.push_back(row.gradient_scaled);
+    unscaled.y.push_back(row.gradient_unscaled);
+  }
+  unscaled.x = scaled.x;
+  ChartPanel gradient;
+  gradient.title = "Gradient: median over rows of ||dS_i||";
+  gradient.x_label = "d_k (log scale)";
+  gradient.y_label = "||dS_i|| (log scale)";
+  gradient.log_x = true;
+  gradient.log_y = true;
+  gradient.series = {scaled, unscaled};
+
+  for (std::size_t k = 0; k < trap.size(); ++k) {
+    scaled.y[k] = trap[k].weight_scaled;
+    unscaled.y[k] = trap[k].weight_unscaled;
+  }
+  ChartPanel weight;
+  weight.title = "Largest weight: median of max_j P_ij";
+  weight.x_label = "d_k (log scale)";
+  weight.y_label = "max_j P_ij";
+  weight.log_x = true;
+  weight.y_low = 0.0;
+  weight.y_high = 1.0;
+  weight.series = {scaled, unscaled};
+  write_file(dir / "gradient_trap.svg",
+             line_chart_svg("Part 6: the 1/√d_k trap (64 x 64 scores from random Q and K)",
+                            {gradient, weight}));
 }
 
 void write_page(const std::filesystem::path& path) {

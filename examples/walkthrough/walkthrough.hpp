@@ -1,8 +1,9 @@
 #pragma once
 /// \file walkthrough.hpp
-/// What the files of `attn-walkthrough` share: the five parts (one file each), the first
-/// document's steps that Part 3 repeats with a causal mask, Part 4's input that the pictures draw
-/// again, and the pictures themselves. main.cpp reads the command line and calls them.
+/// What the files of `attn-walkthrough` share: the six parts (one file each), the first
+/// document's steps that Part 3 repeats with a causal mask, Part 4's input and Part 6's
+/// measurement that the pictures draw again, and the pictures themselves. main.cpp reads the
+/// command line and calls them.
 ///
 /// - Part 1 (part1_three_tokens.cpp): the first document's 3-token example (scores, scaling,
 ///   softmax, outputs).
@@ -15,7 +16,10 @@
 /// - Part 5 (part5_positions.cpp): positions: "dog bites man" and "man bites dog" give the same
 ///   rows permuted without positions, different ones with a sinusoidal encoding or RoPE; a
 ///   sinusoidal table; a rotation.
-/// - Pictures (pictures.cpp): `--svg DIR` and `--html FILE`.
+/// - Part 6 (part6_gradients.cpp): gradients: the first document's trap (without 1/√d_k the
+///   softmax goes one-hot and its gradient vanishes as d_k grows) measured for d_k = 16 to 1024,
+///   and one causal self-attention layer trained by SGD (`attn::attention_backward`).
+/// - Pictures (pictures.cpp, with line_chart.hpp): `--svg DIR` and `--html FILE`.
 ///
 /// The documents' inputs are typed in once, in documents.hpp (the 3 tokens, "I love AI") or in the
 /// part that uses them; every other number comes from the library at run time.
@@ -25,6 +29,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "format.hpp"
 
@@ -43,6 +48,7 @@ void part2();  ///< the second document's "I love AI" example (NumPy)
 void part3();  ///< the same 3 tokens with a causal mask
 void part4();  ///< multi-head attention (the second document's nn.MultiheadAttention)
 void part5();  ///< positions ("dog bites man" vs "man bites dog")
+void part6();  ///< gradients: why 1/√d_k, and one attention layer trained by SGD
 
 // ---------------------------------------------------------------------------------------------
 // The first document's steps (part1_three_tokens.cpp), repeated by Part 3
@@ -80,12 +86,35 @@ constexpr std::uint64_t input_seed = 1;
 Tensor3 randn(Index batch, Index tokens, Index features, std::uint64_t seed);
 
 // ---------------------------------------------------------------------------------------------
+// Part 6's measurement of the trap (part6_gradients.cpp), drawn again by --svg
+// ---------------------------------------------------------------------------------------------
+
+/// One d_k of the trap table: 64 x 64 weights P = softmax_rows(scale Q K^T) from N(0, 1) Q and K
+/// (64 x d_k), with scale = 1/√d_k ("scaled") or 1 ("unscaled"), and dS =
+/// softmax_rows_backward(P, G) for a fixed N(0, 1) table G (the gradient of sum(G ∘ P)).
+struct TrapRow {
+  Index d_k = 0;
+  double weight_scaled = 0;  ///< median over rows of the row's largest weight
+  double weight_unscaled = 0;
+  double gradient_scaled = 0;  ///< median over rows of ||dS_i||
+  double gradient_unscaled = 0;
+  double table_scaled = 0;  ///< ||dS||_F, the whole table
+  double table_unscaled = 0;
+  Index one_hot_scaled = 0;  ///< rows whose largest weight exceeds 0.99
+  Index one_hot_unscaled = 0;
+};
+
+/// The trap table for d_k = 16, 32, ..., 1024 (seed 6; tests/data/check_gradient_trap.py
+/// recomputes it independently).
+std::vector<TrapRow> measure_trap();
+
+// ---------------------------------------------------------------------------------------------
 // Pictures (pictures.cpp)
 // ---------------------------------------------------------------------------------------------
 
 /// The heatmaps of Parts 1 to 4 as SVG files in `dir` (created if needed): three_tokens.svg,
-/// i_love_ai.svg, causal.svg (masked cells hatched) and multi_head_head1.svg. Says "wrote <path>"
-/// for each.
+/// i_love_ai.svg, causal.svg (masked cells hatched) and multi_head_head1.svg; and Part 6's trap
+/// as line charts, gradient_trap.svg. Says "wrote <path>" for each.
 /// \throws std::runtime_error naming the file that cannot be written.
 void write_svgs(const std::filesystem::path& dir);
 

@@ -18,6 +18,7 @@
 /// `#include <attn/render.hpp>`.
 
 #include "attention.hpp"
+#include "backward.hpp"
 #include "error.hpp"
 #include "flash.hpp"
 #include "heads.hpp"

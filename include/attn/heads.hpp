@@ -3,7 +3,7 @@
 /// `attention_heads`: attention over several heads at once on (heads, tokens, features) tensors
 /// (multi-head, grouped-query and multi-query attention), with options shared by every head and,
 /// in a struct of their own, values that differ per query head (ALiBi slopes, sinks, masks,
-/// biases).
+/// biases); and its gradients, `attention_heads_backward`.
 
 #include <cmath>
 #include <limits>
@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "detail/backward_kernels.hpp"
 #include "detail/paths.hpp"
 #include "detail/score_rule.hpp"
 #include "error.hpp"
@@ -34,6 +35,18 @@ struct HeadOptions {
 
   /// Whether any per-head value is set.
   bool any() const { return alibi_slopes || sinks || masks || biases; }
+};
+
+/// Gradients of `attention_heads` (`attention_heads_backward`): of the loss L, given dO = dL/dO.
+template <class T>
+struct HeadGrads {
+  Tensor3<T> dQ;          ///< (h_q, n, d_k)
+  Tensor3<T> dK;          ///< (h_kv, m, d_k): a key head's gradient, summed over its query heads
+  Tensor3<T> dV;          ///< (h_kv, m, d_v): likewise
+  Matrix<T> dbias;        ///< n x m when `options.bias` is set (summed over the heads), else empty
+  T dsink = T(0);         ///< when `options.sink` is set (summed over the heads), else 0
+  Tensor3<T> dbiases;     ///< (h_q, n, m) when `per_head.biases` is set, else empty
+  std::vector<T> dsinks;  ///< h_q entries when `per_head.sinks` is set, else empty
 };
 
 namespace detail {
@@ -117,20 +130,62 @@ void check_heads(const char* function, const Tensor3<T>& Q, const Tensor3<T>& K,
 /// decoding kernel. Shape contract: q(h) n x d_k, k(kv) m x d_k, v(kv) m x d_v, o(h) n x d_v
 /// (functions returning views); the heads of a group must be adjacent rows in memory for the
 /// stacked path (`stacked_q(kv)` g x d_k, `stacked_o(kv)` g x d_v).
-template <class T, class QHead, class KHead, class VHead, class OHead, class QGroup, class OGroup>
+/// `lse(h)` (a function returning a pointer to n entries, or null) receives each query head's
+/// log-sum-exp, sink included; the stacked decoding path runs only when no head wants it.
+template <class T, class QHead, class KHead, class VHead, class OHead, class QGroup, class OGroup,
+          class LseHead>
 void heads_kernel(Index heads, Index group, const ScoreRule<T>& shared,
                   const HeadOptions<T>& per_head, Index d_k, Index d_v, const QHead& q,
                   const KHead& k, const VHead& v, const OHead& o, const QGroup& stacked_q,
-                  const OGroup& stacked_o) {
-  if (choose_path(shared, d_k, d_v, false) == Path::Decode && !per_head.any()) {
+                  const OGroup& stacked_o, const LseHead& lse) {
+  if (choose_path(shared, d_k, d_v, false) == Path::Decode && !per_head.any() &&
+      (heads == 0 || lse(0) == nullptr)) {
     decode_groups<T>(heads / group, shared, stacked_q, k, v, stacked_o);
     return;
   }
   parallel_for<PathScratch<T>>(heads, [&](Index h, PathScratch<T>& scratch) {
     const ScoreRule<T> rule = per_head.any() ? head_rule(shared, per_head, h) : shared;
     run_path<T>(choose_path(rule, d_k, d_v, false), q(h), k(h / group), v(h / group), rule, scratch,
-                o(h), nullptr);
+                o(h), lse(h));
   });
+}
+
+/// `heads_kernel` without the log-sum-exp.
+template <class T, class QHead, class KHead, class VHead, class OHead, class QGroup, class OGroup>
+void heads_kernel(Index heads, Index group, const ScoreRule<T>& shared,
+                  const HeadOptions<T>& per_head, Index d_k, Index d_v, const QHead& q,
+                  const KHead& k, const VHead& v, const OHead& o, const QGroup& stacked_q,
+                  const OGroup& stacked_o) {
+  heads_kernel<T>(heads, group, shared, per_head, d_k, d_v, q, k, v, o, stacked_q, stacked_o,
+                  [](Index) -> T* { return nullptr; });
+}
+
+/// The forward of `attention_heads`, checks included: out (h_q, n, d_v) and, when `lse` is not
+/// null, h_q x n log-sum-exps.
+template <class T>
+void heads_forward(const char* function, const Tensor3<T>& Q, const Tensor3<T>& K,
+                   const Tensor3<T>& V, const AttentionOptions<T>& options,
+                   const HeadOptions<T>& per_head, Tensor3<T>& out, Matrix<T>* lse) {
+  check_heads(function, Q, K, V, options, per_head);
+  const Index heads = Q.dimension(0);
+  const Index n = Q.dimension(1);
+  const Index d_k = Q.dimension(2);
+  const Index d_v = V.dimension(2);
+  const Index group = heads / K.dimension(0);
+  if (out.dimension(0) != heads || out.dimension(1) != n || out.dimension(2) != d_v) {
+    out.resize(heads, n, d_v);
+  }
+  if (lse) lse->resize(heads, n);
+  const ScoreRule<T> shared = make_rule(options, n, K.dimension(1), d_k);
+  heads_kernel<T>(
+      heads, group, shared, per_head, d_k, d_v, [&](Index h) { return slice(Q, h); },
+      [&](Index kv) { return slice(K, kv); }, [&](Index kv) { return slice(V, kv); },
+      [&](Index h) { return slice(out, h); },
+      [&](Index kv) {
+        return Eigen::Map<const Matrix<T>>(Q.data() + kv * group * d_k, group, d_k);
+      },
+      [&](Index kv) { return Eigen::Map<Matrix<T>>(out.data() + kv * group * d_v, group, d_v); },
+      [&](Index h) -> T* { return lse ? lse->data() + h * n : nullptr; });
 }
 
 }  // namespace detail
@@ -150,26 +205,20 @@ template <class T>
 void attention_heads(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
                      const AttentionOptions<detail::identity_t<T>>& options,
                      const HeadOptions<detail::identity_t<T>>& per_head, Tensor3<T>& out) {
-  const char* function = "attention_heads";
-  detail::check_heads(function, Q, K, V, options, per_head);
-  const Index heads = Q.dimension(0);
-  const Index n = Q.dimension(1);
-  const Index d_k = Q.dimension(2);
-  const Index d_v = V.dimension(2);
-  const Index group = heads / K.dimension(0);
-  if (out.dimension(0) != heads || out.dimension(1) != n || out.dimension(2) != d_v) {
-    out.resize(heads, n, d_v);
-  }
-  const detail::ScoreRule<T> shared = detail::make_rule(options, n, K.dimension(1), d_k);
-  detail::heads_kernel<T>(
-      heads, group, shared, per_head, d_k, d_v, [&](Index h) { return detail::slice(Q, h); },
-      [&](Index kv) { return detail::slice(K, kv); },
-      [&](Index kv) { return detail::slice(V, kv); },
-      [&](Index h) { return detail::slice(out, h); },
-      [&](Index kv) {
-        return Eigen::Map<const Matrix<T>>(Q.data() + kv * group * d_k, group, d_k);
-      },
-      [&](Index kv) { return Eigen::Map<Matrix<T>>(out.data() + kv * group * d_v, group, d_v); });
+  detail::heads_forward<T>("attention_heads", Q, K, V, options, per_head, out, nullptr);
+}
+
+/// `attention_heads` that also returns each query head's log-sum-exp (what
+/// `attention_heads_backward` takes to skip the forward), into caller storage.
+/// \param log_sum_exp  resized to h_q x n: row h holds head h's `lse_i = log(sum_j exp(z_ij))`,
+///                     the sink included when set (-inf for a query that may attend nothing)
+/// \note As the overload without it, but one query never takes the stacked decoding path.
+template <class T>
+void attention_heads(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
+                     const AttentionOptions<detail::identity_t<T>>& options,
+                     const HeadOptions<detail::identity_t<T>>& per_head, Tensor3<T>& out,
+                     Matrix<T>& log_sum_exp) {
+  detail::heads_forward<T>("attention_heads", Q, K, V, options, per_head, out, &log_sum_exp);
 }
 
 /// `attention_heads` with shared options only, into caller storage.
@@ -195,5 +244,228 @@ Tensor3<T> attention_heads(const Tensor3<T>& Q, const Tensor3<T>& K, const Tenso
 template <class T, class Options, class... Rest, detail::if_extended_options<Options, T> = 0>
 Tensor3<T> attention_heads(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
                            const Options& options, Rest&&...) = delete;
+
+namespace detail {
+
+/// Runs `body(i, scratch)` for i in [0, count): as `parallel_for` when there are at least as many
+/// tasks as threads, else one task after the other on this thread, so that the kernels inside
+/// use the threads instead. A body whose result depends only on i (its kernels being
+/// deterministic, and no Eigen product outside them) gives the same bits either way.
+template <class Scratch, class Body>
+void tasks_or_kernels(Index count, Body&& body) {
+  if (count >= num_threads()) {
+    parallel_for<Scratch>(count, body);
+    return;
+  }
+  Scratch scratch{};
+  for (Index i = 0; i < count; ++i) body(i, scratch);
+}
+
+/// Per-thread working memory of the heads' backward.
+template <class T>
+struct HeadsBackwardScratch {
+  AttentionGrads<T> head;  ///< one query head's gradients
+  Matrix<T> O;             ///< its output (when the forward runs again)
+  Vector<T> lse;           ///< its log-sum-exp
+};
+
+/// Checks dO (h_q, n, d_v) and, when given, the forward's O (h_q, n, d_v) and log-sum-exp h_q x n.
+template <class T>
+void check_heads_backward(const char* function, const Tensor3<T>& Q, const Tensor3<T>& V,
+                          const Tensor3<T>& dO, const Tensor3<T>* O, const Matrix<T>* lse) {
+  const auto require = [&](const char* name, const Tensor3<T>& t) {
+    if (t.dimension(0) != Q.dimension(0) || t.dimension(1) != Q.dimension(1) ||
+        t.dimension(2) != V.dimension(2)) {
+      fail(function, name, " is ", dims_of(t), " but Q is ", dims_of(Q), " and V is ", dims_of(V),
+           ": it must be (query heads, queries, d_v)");
+    }
+  };
+  require("dO", dO);
+  if (O) require("O", *O);
+  if (lse && (lse->rows() != Q.dimension(0) || lse->cols() != Q.dimension(1))) {
+    fail(function, "log_sum_exp is ", shape_of(*lse), " but Q is ", dims_of(Q),
+         ": it must be query heads x queries");
+  }
+}
+
+/// The backward of query heads over their key/value heads by the rule `shared` with each head's
+/// values from `per_head`; the forward's output O and log-sum-exp when given, else the forward
+/// runs again per head (`forward_for_backward`, on the backward's path). Shape contract as
+/// `attention_heads_backward`.
+///
+/// Passes:
+///   1. Key/value head kv (a task; in parallel when there are enough of them) runs its query
+///      heads h = kv g ... kv g + g - 1 in head order through `backward_kernel`: dQ_h is written
+///      as it is, dK_kv and dV_kv are the sum over h in that order, a shared bias's gradient is
+///      summed likewise into kv's part, per-head dbias and dsink are written as they are.
+///   2. The shared bias's parts are summed in kv order, the shared sink's per-head gradients in
+///      head order. Every sum has a fixed order: the same bits for any thread count.
+template <class T>
+void heads_backward_kernel(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
+                           const Tensor3<T>* O, const Matrix<T>* lse, const Tensor3<T>& dO,
+                           const ScoreRule<T>& shared, const HeadOptions<T>& per_head,
+                           HeadGrads<T>& grads) {
+  const Index heads = Q.dimension(0);
+  const Index kv_heads = K.dimension(0);
+  const Index group = heads / kv_heads;
+  const Index n = Q.dimension(1);
+  const Index m = K.dimension(1);
+  const Index d_k = Q.dimension(2);
+  const Index d_v = V.dimension(2);
+  grads.dQ.resize(heads, n, d_k);
+  grads.dK.resize(kv_heads, m, d_k);
+  grads.dV.resize(kv_heads, m, d_v);
+  std::vector<Matrix<T>> dbias_parts(shared.bias ? static_cast<std::size_t>(kv_heads) : 0);
+  std::vector<T> dsink_heads(static_cast<std::size_t>(heads), T(0));
+  if (per_head.biases) {
+    grads.dbiases.resize(heads, n, m);
+  } else {
+    grads.dbiases.resize(0, 0, 0);
+  }
+
+  // 1. Each key/value head over its query heads, in head order.
+  tasks_or_kernels<HeadsBackwardScratch<T>>(kv_heads, [&](Index kv, HeadsBackwardScratch<T>& s) {
+    const ConstRef<T> k = slice(K, kv);
+    const ConstRef<T> v = slice(V, kv);
+    Eigen::Map<Matrix<T>> dK = slice(grads.dK, kv);
+    Eigen::Map<Matrix<T>> dV = slice(grads.dV, kv);
+    for (Index h = kv * group; h < (kv + 1) * group; ++h) {
+      const ScoreRule<T> rule = per_head.any() ? head_rule(shared, per_head, h) : shared;
+      const Path path = backward_path(rule, d_k, d_v);
+      const ConstRef<T> q = slice(Q, h);
+      if (O) {
+        s.lse = lse->row(h).transpose();
+      } else {
+        s.O.resize(n, d_v);
+        forward_for_backward<T>(q, k, v, rule, path, s.O, s.lse);
+      }
+      backward_kernel<T>(q, k, v, O ? ConstRef<T>(slice(*O, h)) : ConstRef<T>(s.O), s.lse,
+                         slice(dO, h), rule, path, BackwardTiles{}, s.head);
+      slice(grads.dQ, h) = s.head.dQ;
+      const bool first = h == kv * group;
+      if (first) {
+        dK = s.head.dK;
+        dV = s.head.dV;
+      } else {
+        dK += s.head.dK;
+        dV += s.head.dV;
+      }
+      if (per_head.biases) slice(grads.dbiases, h) = s.head.dbias;
+      if (shared.bias) {
+        Matrix<T>& part = dbias_parts[static_cast<std::size_t>(kv)];
+        if (first) {
+          part = s.head.dbias;
+        } else {
+          part += s.head.dbias;
+        }
+      }
+      dsink_heads[static_cast<std::size_t>(h)] = s.head.dsink;
+    }
+  });
+
+  // 2. The shared values' gradients, in a fixed order.
+  if (shared.bias) {
+    grads.dbias = dbias_parts.front();
+    for (std::size_t p = 1; p < dbias_parts.size(); ++p) grads.dbias += dbias_parts[p];
+  } else {
+    grads.dbias.resize(0, 0);
+  }
+  grads.dsink = T(0);
+  if (shared.sink) {
+    for (const T d : dsink_heads) grads.dsink += d;
+  }
+  if (per_head.sinks) {
+    grads.dsinks = dsink_heads;
+  } else {
+    grads.dsinks.clear();
+  }
+}
+
+}  // namespace detail
+
+/// Gradients of `attention_heads`: runs the forward of each head again (keeping its output and
+/// log-sum-exp), then its backward (`attention_backward`'s kernels), into caller storage.
+/// \param Q         (h_q, n, d_k): query heads
+/// \param K         (h_kv, m, d_k): key heads, with h_q % h_kv == 0
+/// \param V         (h_kv, m, d_v): value heads
+/// \param dO        (h_q, n, d_v): gradient of the loss with respect to the output
+/// \param options   the forward's shared options (every `AttentionOptions` field)
+/// \param per_head  the forward's per-head values (slopes, sinks, masks, biases)
+/// \param grads     dQ (h_q, n, d_k); dK (h_kv, m, d_k) and dV (h_kv, m, d_v), each key/value
+///                  head's the sum over its query heads; dbias (n x m) and dsink of the shared
+///                  bias and sink, summed over the heads; dbiases (h_q, n, m) and dsinks (h_q) of
+///                  the per-head ones. Fields whose option is not set are empty (dsink 0).
+/// \throws shape_error on mismatched shapes or invalid options.
+/// \note About 3.5x the forward's flops (the forward included). Key/value heads run in parallel
+///       when there are at least as many as threads, else one after the other with each head's
+///       kernels in parallel; every sum over heads is in head order, so the bits do not depend on
+///       the thread count. Memory per thread: one head's gradients (and its n x m tables below
+///       the tiled crossover).
+template <class T>
+void attention_heads_backward(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
+                              const Tensor3<T>& dO,
+                              const AttentionOptions<detail::identity_t<T>>& options,
+                              const HeadOptions<detail::identity_t<T>>& per_head,
+                              HeadGrads<T>& grads) {
+  const char* function = "attention_heads_backward";
+  detail::check_heads(function, Q, K, V, options, per_head);
+  detail::check_heads_backward<T>(function, Q, V, dO, nullptr, nullptr);
+  const detail::ScoreRule<T> shared =
+      detail::make_rule(options, Q.dimension(1), K.dimension(1), Q.dimension(2));
+  detail::heads_backward_kernel<T>(Q, K, V, nullptr, nullptr, dO, shared, per_head, grads);
+}
+
+/// Gradients of `attention_heads` (see the overload writing into caller storage).
+/// \returns `{dQ, dK, dV, dbias, dsink, dbiases, dsinks}`
+template <class T>
+HeadGrads<T> attention_heads_backward(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
+                                      const Tensor3<T>& dO,
+                                      const AttentionOptions<detail::identity_t<T>>& options = {},
+                                      const HeadOptions<detail::identity_t<T>>& per_head = {}) {
+  HeadGrads<T> grads;
+  attention_heads_backward(Q, K, V, dO, options, per_head, grads);
+  return grads;
+}
+
+/// Gradients of `attention_heads` from the forward's own output and log-sum-exp (the overload of
+/// `attention_heads` that returns it), without running the forward again, into caller storage.
+/// \param O            (h_q, n, d_v): the forward's output for these operands and options
+/// \param log_sum_exp  h_q x n: the forward's log-sum-exp
+/// \param Q, K, V, dO, options, per_head, grads  as in the overload without O
+/// \throws shape_error on mismatched shapes or invalid options.
+template <class T>
+void attention_heads_backward(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
+                              const Tensor3<T>& O, const Matrix<T>& log_sum_exp,
+                              const Tensor3<T>& dO,
+                              const AttentionOptions<detail::identity_t<T>>& options,
+                              const HeadOptions<detail::identity_t<T>>& per_head,
+                              HeadGrads<T>& grads) {
+  const char* function = "attention_heads_backward";
+  detail::check_heads(function, Q, K, V, options, per_head);
+  detail::check_heads_backward<T>(function, Q, V, dO, &O, &log_sum_exp);
+  const detail::ScoreRule<T> shared =
+      detail::make_rule(options, Q.dimension(1), K.dimension(1), Q.dimension(2));
+  detail::heads_backward_kernel<T>(Q, K, V, &O, &log_sum_exp, dO, shared, per_head, grads);
+}
+
+/// Gradients of `attention_heads` from the forward's output and log-sum-exp (see the overload
+/// writing into caller storage).
+/// \returns `{dQ, dK, dV, dbias, dsink, dbiases, dsinks}`
+template <class T>
+HeadGrads<T> attention_heads_backward(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
+                                      const Tensor3<T>& O, const Matrix<T>& log_sum_exp,
+                                      const Tensor3<T>& dO,
+                                      const AttentionOptions<detail::identity_t<T>>& options = {},
+                                      const HeadOptions<detail::identity_t<T>>& per_head = {}) {
+  HeadGrads<T> grads;
+  attention_heads_backward(Q, K, V, O, log_sum_exp, dO, options, per_head, grads);
+  return grads;
+}
+
+/// Options types that extend `AttentionOptions` (`MultiHeadOptions`) are refused at compile time.
+template <class T, class Options, class... Rest, detail::if_extended_options<Options, T> = 0>
+HeadGrads<T> attention_heads_backward(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
+                                      const Tensor3<T>& dO, const Options& options,
+                                      Rest&&...) = delete;
 
 }  // namespace attn

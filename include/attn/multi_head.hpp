@@ -3,6 +3,7 @@
 /// The `MultiHeadAttention` layer (Vaswani et al. 2017) with PyTorch `nn.MultiheadAttention`
 /// semantics and weight loading; its heads go through the core of `heads.hpp`.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -12,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "detail/backward_kernels.hpp"
 #include "detail/online_softmax.hpp"
 #include "detail/paths.hpp"
 #include "detail/score_rule.hpp"
@@ -92,6 +94,82 @@ struct MultiHeadWorkspace {
   Matrix<T> K_extra;    ///< (extra, kv_heads head_dim): add_bias_kv / add_zero_attn keys
   Matrix<T> V_extra;    ///< (extra, kv_heads head_dim): their values
   Tensor4<T> per_head;  ///< (batch, heads, n, m') weights to average
+  // `backward` only:
+  Matrix<T> lse;       ///< (batch heads, n) each head's log-sum-exp over all its keys
+  Matrix<T> d_concat;  ///< (batch n, heads head_dim) gradient of the concatenated heads
+  Matrix<T> dQ;        ///< (batch n, heads head_dim) gradient of the projected queries
+  Matrix<T> dK;        ///< (batch m, kv_heads head_dim) of the projected keys
+  Matrix<T> dV;        ///< (batch m, kv_heads head_dim) of the projected values
+  Matrix<T> dK_extra;  ///< (batch extra, kv_heads head_dim) of the appended keys, per item
+  Matrix<T> dV_extra;  ///< (batch extra, kv_heads head_dim) of the appended values, per item
+};
+
+/// The gradients of `MultiHeadAttention::backward`: of the loss L, given dL/d(output), with respect
+/// to the inputs and every parameter, in the layer's own layout (`Q = X W_Q`); the `*_grad()`
+/// functions give them in PyTorch's layout, named after `load_pytorch`'s parameters.
+template <class T>
+struct MultiHeadGrads {
+  Tensor3<T> d_query;                   ///< (batch, n, embed_dim)
+  Tensor3<T> d_key;                     ///< (batch, m, kdim)
+  Tensor3<T> d_value;                   ///< (batch, m, vdim)
+  Matrix<T> dW_Q;                       ///< (embed_dim, heads head_dim), as W_Q
+  Matrix<T> dW_K;                       ///< (kdim, kv_heads head_dim), as W_K
+  Matrix<T> dW_V;                       ///< (vdim, kv_heads head_dim), as W_V
+  Matrix<T> dW_O;                       ///< (heads head_dim, embed_dim), as W_O
+  RowVector<T> db_Q, db_K, db_V, db_O;  ///< as b_Q ... b_O; empty when bias == false
+  RowVector<T> d_bias_k, d_bias_v;      ///< as bias_k, bias_v; empty unless add_bias_kv
+
+  /// dL/dx when query, key and value are one tensor x (self-attention, and the single-sequence
+  /// `backward`): d_query + d_key + d_value.
+  /// \returns (batch, n, embed_dim)
+  /// \throws shape_error unless the three have the same shape.
+  Tensor3<T> self_input_grad() const {
+    const auto same = [&](const Tensor3<T>& t) {
+      return t.dimension(0) == d_query.dimension(0) && t.dimension(1) == d_query.dimension(1) &&
+             t.dimension(2) == d_query.dimension(2);
+    };
+    if (!same(d_key) || !same(d_value)) {
+      detail::fail("MultiHeadGrads::self_input_grad", "d_query is ", detail::dims_of(d_query),
+                   ", d_key ", detail::dims_of(d_key), ", d_value ", detail::dims_of(d_value),
+                   ": not one input in three roles");
+    }
+    Tensor3<T> sum = d_query;
+    detail::flatten(sum) += detail::flatten(d_key);
+    detail::flatten(sum) += detail::flatten(d_value);
+    return sum;
+  }
+
+  /// PyTorch's in_proj_weight.grad: [dW_Q^T; dW_K^T; dW_V^T].
+  /// \returns (3 E, E)
+  /// \throws shape_error unless kdim == vdim == embed_dim and num_kv_heads == num_heads.
+  Matrix<T> in_proj_weight_grad() const {
+    if (dW_K.rows() != dW_Q.rows() || dW_K.cols() != dW_Q.cols() || dW_V.rows() != dW_Q.rows() ||
+        dW_V.cols() != dW_Q.cols() || dW_Q.rows() != dW_Q.cols()) {
+      detail::fail("MultiHeadGrads::in_proj_weight_grad", "dW_Q is ", detail::shape_of(dW_Q),
+                   ", dW_K ", detail::shape_of(dW_K), ", dW_V ", detail::shape_of(dW_V),
+                   ": PyTorch stacks them only when all are E x E (use q/k/v_proj_weight_grad)");
+    }
+    Matrix<T> stacked(3 * dW_Q.cols(), dW_Q.rows());
+    stacked << dW_Q.transpose(), dW_K.transpose(), dW_V.transpose();
+    return stacked;
+  }
+  /// PyTorch's q_proj_weight.grad (E, E): dW_Q^T.
+  Matrix<T> q_proj_weight_grad() const { return dW_Q.transpose(); }
+  /// PyTorch's k_proj_weight.grad (E, kdim): dW_K^T.
+  Matrix<T> k_proj_weight_grad() const { return dW_K.transpose(); }
+  /// PyTorch's v_proj_weight.grad (E, vdim): dW_V^T.
+  Matrix<T> v_proj_weight_grad() const { return dW_V.transpose(); }
+  /// PyTorch's in_proj_bias.grad: [db_Q, db_K, db_V] (empty when bias == false).
+  RowVector<T> in_proj_bias_grad() const {
+    if (db_Q.size() == 0) return {};
+    RowVector<T> stacked(db_Q.size() + db_K.size() + db_V.size());
+    stacked << db_Q, db_K, db_V;
+    return stacked;
+  }
+  /// PyTorch's out_proj.weight.grad (E, heads head_dim): dW_O^T.
+  Matrix<T> out_proj_weight_grad() const { return dW_O.transpose(); }
+  /// PyTorch's out_proj.bias.grad: db_O (empty when bias == false).
+  RowVector<T> out_proj_bias_grad() const { return db_O; }
 };
 
 namespace detail {
@@ -103,6 +181,14 @@ struct LayerScratch {
   Matrix<T> P_extra;    ///< n x extra weights of the appended keys
   Matrix<T> O_extra;    ///< n x head_dim output over the appended keys
   Vector<T> lse, lse_extra;
+};
+
+/// Per-thread working memory of the layer's backward over (batch item, key/value head).
+template <class T>
+struct LayerBackwardScratch {
+  AttentionGrads<T> keys;   ///< one head's gradients over the item's keys
+  AttentionGrads<T> extra;  ///< over the appended keys
+  Vector<T> lse;            ///< the head's log-sum-exp
 };
 
 }  // namespace detail
@@ -250,68 +336,18 @@ class MultiHeadAttention {
     project_into(detail::flatten(key), W_K, b_K, ws.K);
     project_into(detail::flatten(value), W_V, b_V, ws.V);
 
-    // 2. Each (batch item, head) in parallel, on the path `detail::choose_path` picks, written
-    //    straight into the item's rows and the head's columns of the concatenated heads. Key
-    //    padding is the rule's key_valid row of the item. PyTorch's appended keys (add_bias_kv,
-    //    add_zero_attn) are seen by every query: they are a second block of keys, merged with
-    //    the first by log-sum-exp (`detail::merge_partial`); the sink is added once after it.
-    const Index extra = (config_.add_bias_kv ? 1 : 0) + (config_.add_zero_attn ? 1 : 0);
-    const Index keys = m + extra;
-    const Index hd = head_dim();
+    // 2. Each (batch item, head) in parallel (`attend_head`), written straight into the item's
+    //    rows and the head's columns of the concatenated heads.
+    const Index keys = m + extra_keys();
     const Index heads = config_.num_heads;
-    const Index group = heads / config_.num_kv_heads;
-    if (extra > 0) {
-      extra_rows(bias_k, ws.K_extra);
-      extra_rows(bias_v, ws.V_extra);
-    }
+    prepare_heads(ws, batch, n);
     Tensor4<T>& per_head = options.average_weights ? ws.per_head : result.head_weights;
     if (options.need_weights) per_head.resize(batch, heads, n, keys);
-    ws.concat.resize(batch * n, heads * hd);
-    const detail::ScoreRule<T> shared = detail::make_rule<T>(options, n, m, hd);
+    const detail::ScoreRule<T> shared = detail::make_rule<T>(options, n, m, head_dim());
     detail::parallel_for<detail::LayerScratch<T>>(
         n > 0 ? batch * heads : 0, [&](Index bh, detail::LayerScratch<T>& s) {
-          const Index b = bh / heads;
-          const Index h = bh % heads;
-          const Index kv = h / group;
-          detail::ScoreRule<T> rule =
-              options.per_head.any() ? detail::head_rule(shared, options.per_head, h) : shared;
-          if (options.key_valid) rule.key_valid = {options.key_valid->data() + b * m, 0};
-          const std::optional<T> sink = rule.sink;
-          if (extra > 0) rule.sink.reset();
-          const detail::ConstRef<T> q = ws.Q.block(b * n, h * hd, n, hd);
-          Eigen::Ref<Matrix<T>> o = ws.concat.block(b * n, h * hd, n, hd);
-          if (extra > 0) s.lse.setConstant(n, -std::numeric_limits<T>::infinity());
-          if (m > 0) {
-            detail::run_path<T>(detail::choose_path(rule, hd, hd, options.need_weights), q,
-                                ws.K.block(b * m, kv * hd, m, hd),
-                                ws.V.block(b * m, kv * hd, m, hd), rule, s.path, o,
-                                extra > 0 ? s.lse.data() : nullptr);
-          } else {
-            o.setZero();  // no key: a zero row (and no view into the empty K and V)
-          }
-          Eigen::Map<Matrix<T>> weights(
-              options.need_weights ? per_head.data() + bh * n * keys : nullptr, n, keys);
-          if (options.need_weights && m > 0) weights.leftCols(m) = s.path.P;
-          if (extra == 0) return;
-          detail::ScoreRule<T> appended;  // every query sees the appended keys; no bias, no ALiBi
-          appended.n = n;
-          appended.m = extra;
-          appended.scale = rule.scale;
-          appended.softcap = rule.softcap;
-          s.O_extra.resize(n, hd);
-          s.lse_extra.resize(n);
-          detail::materialised_kernel<T>(q, ws.K_extra.middleCols(kv * hd, hd),
-                                         ws.V_extra.middleCols(kv * hd, hd), appended, s.P_extra,
-                                         s.O_extra, s.lse_extra.data());
-          for (Index i = 0; i < n; ++i) {
-            T lse = s.lse(i);
-            detail::merge_partial<T>(o.row(i), lse, s.O_extra.row(i), s.lse_extra(i));
-            detail::merge_sink<T>(o.row(i), lse, sink);
-            if (options.need_weights) {  // each block's weights, renormalised to the merged sum
-              weights.row(i).head(m) *= std::exp(s.lse(i) - lse);
-              weights.row(i).tail(extra) = s.P_extra.row(i) * std::exp(s.lse_extra(i) - lse);
-            }
-          }
+          attend_head(ws, shared, options, bh / heads, bh % heads, n, m, s, nullptr,
+                      options.need_weights ? per_head.data() + bh * n * keys : nullptr);
         });
     if (options.need_weights && options.average_weights) {
       result.weights.resize(batch, n, keys);
@@ -342,6 +378,157 @@ class MultiHeadAttention {
     detail::slice(x, 0) = X;
     const MultiHeadResult<T> result = forward(x, x, x, options);
     return detail::slice(result.output, 0);
+  }
+
+  /// Gradients of the layer: runs the forward again (keeping each head's log-sum-exp), then the
+  /// backward of the output projection, of each head (`attention_backward`'s kernels) and of the
+  /// input projections.
+  /// \param query     (batch, n, embed_dim)
+  /// \param key       (batch, m, kdim)
+  /// \param value     (batch, m, vdim)
+  /// \param d_output  (batch, n, embed_dim): gradient of the loss with respect to the output
+  /// \param options   the forward's options (every field that changes the output; the weights
+  ///                  output is not computed)
+  /// \returns d_query, d_key, d_value and the gradients of W_Q ... b_O, bias_k, bias_v
+  ///          (`MultiHeadGrads`; PyTorch's layout through its `*_grad()` functions)
+  /// \throws shape_error on mismatched shapes or invalid options.
+  /// \note About 3.5x the forward's flops (the forward included). The options' sinks, biases
+  ///       and masks are inputs, not parameters: they get no gradient here
+  ///       (`attention_heads_backward` gives dsink and dbias). Identical bits for any thread
+  ///       count.
+  MultiHeadGrads<T> backward(const Tensor3<T>& query, const Tensor3<T>& key,
+                             const Tensor3<T>& value, const Tensor3<T>& d_output,
+                             const MultiHeadOptions<T>& options = {}) const {
+    MultiHeadWorkspace<T> workspace;
+    MultiHeadGrads<T> grads;
+    backward(query, key, value, d_output, options, workspace, grads);
+    return grads;
+  }
+
+  /// `backward` into caller storage: `workspace` (any state, shared with `forward`) and `grads`
+  /// are reused from call to call, resized only when a shape changes.
+  /// \throws shape_error as `backward`.
+  void backward(const Tensor3<T>& query, const Tensor3<T>& key, const Tensor3<T>& value,
+                const Tensor3<T>& d_output, const MultiHeadOptions<T>& options,
+                MultiHeadWorkspace<T>& workspace, MultiHeadGrads<T>& grads) const {
+    const char* function = "MultiHeadAttention::backward";
+    const Index batch = query.dimension(0);
+    const Index n = query.dimension(1);
+    const Index m = key.dimension(1);
+    check_inputs(function, query, key, value, options);
+    if (d_output.dimension(0) != batch || d_output.dimension(1) != n ||
+        d_output.dimension(2) != config_.embed_dim) {
+      detail::fail(function, "d_output is ", detail::dims_of(d_output), " but query is ",
+                   detail::dims_of(query), ": it must be (batch, n, embed_dim)");
+    }
+    MultiHeadWorkspace<T>& ws = workspace;
+    const Index hd = head_dim();
+    const Index heads = config_.num_heads;
+    const Index kv_heads = config_.num_kv_heads;
+    const Index group = heads / kv_heads;
+    const Index extra = extra_keys();
+
+    // 1. The forward again, keeping every head's log-sum-exp (over its keys and the appended
+    //    ones, sink included): projections, then each (batch item, head) in parallel.
+    project_into(detail::flatten(query), W_Q, b_Q, ws.Q);
+    project_into(detail::flatten(key), W_K, b_K, ws.K);
+    project_into(detail::flatten(value), W_V, b_V, ws.V);
+    prepare_heads(ws, batch, n);
+    ws.lse.resize(batch * heads, n);
+    const detail::ScoreRule<T> shared = detail::make_rule<T>(options, n, m, hd);
+    detail::parallel_for<detail::LayerScratch<T>>(
+        n > 0 ? batch * heads : 0, [&](Index bh, detail::LayerScratch<T>& s) {
+          attend_head(ws, shared, options, bh / heads, bh % heads, n, m, s, ws.lse.data() + bh * n,
+                      nullptr);
+        });
+
+    // 2. Output projection Y = C W_O + b_O: dW_O = C^T dY, db_O = colsum(dY), dC = dY W_O^T.
+    const detail::ConstRef<T> dY = detail::flatten(d_output);
+    weight_grad(ws.concat, dY, grads.dW_O);
+    bias_grad(dY, grads.db_O);
+    ws.d_concat.resize(batch * n, heads * hd);
+    detail::product_kernel<T>(dY, W_O.transpose(), ws.d_concat);
+
+    // 3. Each (batch item, key/value head) a task: its query heads in head order, each by
+    //    `backward_kernel` over the item's keys and then over the appended keys (both from the
+    //    head's merged output and log-sum-exp, so each block's P is its share of the whole
+    //    softmax). dQ of a head is the sum of the two blocks'; dK, dV (and the appended rows')
+    //    of the key/value head the sum over its query heads, in head order.
+    ws.dQ.resize(batch * n, heads * hd);
+    ws.dK.resize(batch * m, kv_heads * hd);
+    ws.dV.resize(batch * m, kv_heads * hd);
+    ws.dK_extra.resize(batch * extra, kv_heads * hd);
+    ws.dV_extra.resize(batch * extra, kv_heads * hd);
+    if (n == 0) {  // no query: nothing reaches the keys
+      ws.dK.setZero();
+      ws.dV.setZero();
+      ws.dK_extra.setZero();
+      ws.dV_extra.setZero();
+    }
+    detail::tasks_or_kernels<detail::LayerBackwardScratch<T>>(
+        n > 0 ? batch * kv_heads : 0, [&](Index bkv, detail::LayerBackwardScratch<T>& s) {
+          const Index b = bkv / kv_heads;
+          const Index kv = bkv % kv_heads;
+          for (Index h = kv * group; h < (kv + 1) * group; ++h) {
+            const bool first = h == kv * group;
+            const detail::ScoreRule<T> rule = item_head_rule(shared, options, b, h, m);
+            const detail::ConstRef<T> q = ws.Q.block(b * n, h * hd, n, hd);
+            const detail::ConstRef<T> o = ws.concat.block(b * n, h * hd, n, hd);
+            const detail::ConstRef<T> d_o = ws.d_concat.block(b * n, h * hd, n, hd);
+            Eigen::Ref<Matrix<T>> dq = ws.dQ.block(b * n, h * hd, n, hd);
+            s.lse = ws.lse.row(b * heads + h).transpose();
+            if (m > 0) {
+              detail::backward_kernel<T>(
+                  q, ws.K.block(b * m, kv * hd, m, hd), ws.V.block(b * m, kv * hd, m, hd), o, s.lse,
+                  d_o, rule, detail::backward_path(rule, hd, hd), BackwardTiles{}, s.keys);
+              dq = s.keys.dQ;
+              accumulate(ws.dK.block(b * m, kv * hd, m, hd), s.keys.dK, first);
+              accumulate(ws.dV.block(b * m, kv * hd, m, hd), s.keys.dV, first);
+            } else {
+              dq.setZero();
+            }
+            if (extra == 0) continue;
+            const detail::ScoreRule<T> appended = appended_rule(rule, extra);
+            detail::backward_kernel<T>(
+                q, ws.K_extra.middleCols(kv * hd, hd), ws.V_extra.middleCols(kv * hd, hd), o, s.lse,
+                d_o, appended, detail::backward_path(appended, hd, hd), BackwardTiles{}, s.extra);
+            dq += s.extra.dQ;
+            accumulate(ws.dK_extra.block(b * extra, kv * hd, extra, hd), s.extra.dK, first);
+            accumulate(ws.dV_extra.block(b * extra, kv * hd, extra, hd), s.extra.dV, first);
+          }
+        });
+
+    // 4. Input projections P = X W + b: dX = dP W^T, dW = X^T dP, db = colsum(dP); add_bias_kv's
+    //    rows take the appended keys' (values') first row, summed over the items in item order.
+    input_grads(query, W_Q, ws.dQ, grads.d_query, grads.dW_Q, grads.db_Q);
+    input_grads(key, W_K, ws.dK, grads.d_key, grads.dW_K, grads.db_K);
+    input_grads(value, W_V, ws.dV, grads.d_value, grads.dW_V, grads.db_V);
+    if (config_.add_bias_kv) {
+      grads.d_bias_k.setZero(kv_heads * hd);
+      grads.d_bias_v.setZero(kv_heads * hd);
+      for (Index b = 0; b < batch; ++b) {
+        grads.d_bias_k += ws.dK_extra.row(b * extra);
+        grads.d_bias_v += ws.dV_extra.row(b * extra);
+      }
+    } else {
+      grads.d_bias_k.resize(0);
+      grads.d_bias_v.resize(0);
+    }
+  }
+
+  /// Gradients of the single-sequence self-attention `forward(X)`: `backward(X, X, X, ...)`
+  /// without the batch dimension.
+  /// \param X         (n, embed_dim); requires kdim == vdim == embed_dim
+  /// \param d_output  (n, embed_dim)
+  /// \returns the gradients with batch 1: X's three roles in d_query, d_key, d_value (their sum,
+  ///          dL/dX, is `self_input_grad()`), and the parameters'
+  MultiHeadGrads<T> backward(const Matrix<T>& X, const Matrix<T>& d_output,
+                             const MultiHeadOptions<T>& options = {}) const {
+    Tensor3<T> x(1, X.rows(), X.cols());
+    detail::slice(x, 0) = X;
+    Tensor3<T> dy(1, d_output.rows(), d_output.cols());
+    detail::slice(dy, 0) = d_output;
+    return backward(x, x, x, dy, options);
   }
 
  private:
@@ -403,11 +590,134 @@ class MultiHeadAttention {
     if (b.size() > 0) Y.rowwise() += b;
   }
 
+  /// Rows appended to every item's keys: one for add_bias_kv, one for add_zero_attn.
+  Index extra_keys() const {
+    return (config_.add_bias_kv ? 1 : 0) + (config_.add_zero_attn ? 1 : 0);
+  }
+
+  /// Sizes the concatenated heads (batch n, heads head_dim) and builds the appended key/value rows.
+  void prepare_heads(MultiHeadWorkspace<T>& ws, Index batch, Index n) const {
+    if (extra_keys() > 0) {
+      extra_rows(bias_k, ws.K_extra);
+      extra_rows(bias_v, ws.V_extra);
+    }
+    ws.concat.resize(batch * n, config_.num_heads * head_dim());
+  }
+
+  /// The rule of head h of batch item b over the item's m keys: the call's rule, head h's values
+  /// from `options.per_head`, the item's row of key padding.
+  static detail::ScoreRule<T> item_head_rule(const detail::ScoreRule<T>& shared,
+                                             const MultiHeadOptions<T>& options, Index b, Index h,
+                                             Index m) {
+    detail::ScoreRule<T> rule =
+        options.per_head.any() ? detail::head_rule(shared, options.per_head, h) : shared;
+    if (options.key_valid) rule.key_valid = {options.key_valid->data() + b * m, 0};
+    return rule;
+  }
+
+  /// The rule of PyTorch's appended keys (add_bias_kv, add_zero_attn): every query sees them, with
+  /// the scale and softcap of `rule`; no mask, bias, ALiBi or sink.
+  static detail::ScoreRule<T> appended_rule(const detail::ScoreRule<T>& rule, Index extra) {
+    detail::ScoreRule<T> appended;
+    appended.n = rule.n;
+    appended.m = extra;
+    appended.table_cols = extra;
+    appended.scale = rule.scale;
+    appended.softcap = rule.softcap;
+    return appended;
+  }
+
+  /// Head h of batch item b, by the path `detail::choose_path` picks: its output into its block
+  /// of `ws.concat`; its log-sum-exp over all its keys, sink included, into `lse` (n entries)
+  /// when not null; its weights into `weights` (n x (m + extra)) when not null. The appended
+  /// keys (add_bias_kv, add_zero_attn) are a second block of keys, merged with the first by
+  /// log-sum-exp (`detail::merge_partial`); the sink is then added once (`detail::merge_sink`).
+  void attend_head(MultiHeadWorkspace<T>& ws, const detail::ScoreRule<T>& shared,
+                   const MultiHeadOptions<T>& options, Index b, Index h, Index n, Index m,
+                   detail::LayerScratch<T>& s, T* lse, T* weights) const {
+    constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+    const Index hd = head_dim();
+    const Index kv = h / (config_.num_heads / config_.num_kv_heads);
+    const Index extra = extra_keys();
+    const Index keys = m + extra;
+    detail::ScoreRule<T> rule = item_head_rule(shared, options, b, h, m);
+    const std::optional<T> sink = rule.sink;
+    if (extra > 0) rule.sink.reset();
+    const detail::ConstRef<T> q = ws.Q.block(b * n, h * hd, n, hd);
+    Eigen::Ref<Matrix<T>> o = ws.concat.block(b * n, h * hd, n, hd);
+    if (extra > 0 && lse == nullptr) {
+      s.lse.resize(n);
+      lse = s.lse.data();
+    }
+    if (lse) std::fill(lse, lse + n, neg_inf);
+    if (m > 0) {
+      detail::run_path<T>(detail::choose_path(rule, hd, hd, weights != nullptr), q,
+                          ws.K.block(b * m, kv * hd, m, hd), ws.V.block(b * m, kv * hd, m, hd),
+                          rule, s.path, o, lse);
+    } else {
+      o.setZero();  // no key: a zero row (and no view into the empty K and V)
+    }
+    Eigen::Map<Matrix<T>> P(weights, weights ? n : 0, keys);
+    if (weights && m > 0) P.leftCols(m) = s.path.P;
+    if (extra == 0) return;
+    s.O_extra.resize(n, hd);
+    s.lse_extra.resize(n);
+    detail::materialised_kernel<T>(q, ws.K_extra.middleCols(kv * hd, hd),
+                                   ws.V_extra.middleCols(kv * hd, hd), appended_rule(rule, extra),
+                                   s.P_extra, s.O_extra, s.lse_extra.data());
+    for (Index i = 0; i < n; ++i) {
+      const T lse_keys = lse[i];
+      T merged = lse_keys;
+      detail::merge_partial<T>(o.row(i), merged, s.O_extra.row(i), s.lse_extra(i));
+      detail::merge_sink<T>(o.row(i), merged, sink);
+      lse[i] = merged;
+      if (weights) {  // each block's weights, renormalised to the merged sum
+        P.row(i).head(m) *= std::exp(lse_keys - merged);
+        P.row(i).tail(extra) = s.P_extra.row(i) * std::exp(s.lse_extra(i) - merged);
+      }
+    }
+  }
+
+  /// dst = src (first) or dst += src: a sum over heads in head order.
+  static void accumulate(Eigen::Ref<Matrix<T>> dst, const Matrix<T>& src, bool first) {
+    if (first) {
+      dst = src;
+    } else {
+      dst += src;
+    }
+  }
+
+  /// dW = X^T dY (the shape of W) by the projections' own kernel (one sum in row order per entry,
+  /// the same bits for any thread count).
+  static void weight_grad(const detail::ConstRef<T>& X, const detail::ConstRef<T>& dY,
+                          Matrix<T>& dW) {
+    dW.resize(X.cols(), dY.cols());
+    detail::product_kernel<T>(X.transpose(), dY, dW);
+  }
+
+  /// db = colsum(dY) when the layer has biases, else empty.
+  void bias_grad(const detail::ConstRef<T>& dY, RowVector<T>& db) const {
+    if (config_.bias) {
+      db = dY.colwise().sum();
+    } else {
+      db.resize(0);
+    }
+  }
+
+  /// The backward of one input projection P = X W + b from dP: dX (the shape of X), dW, db.
+  void input_grads(const Tensor3<T>& X, const Matrix<T>& W, const Matrix<T>& dP, Tensor3<T>& dX,
+                   Matrix<T>& dW, RowVector<T>& db) const {
+    dX.resize(X.dimension(0), X.dimension(1), X.dimension(2));
+    Eigen::Map<Matrix<T>> dX_flat = detail::flatten(dX);
+    detail::product_kernel<T>(dP, W.transpose(), dX_flat);
+    weight_grad(detail::flatten(X), dP, dW);
+    bias_grad(dP, db);
+  }
+
   /// PyTorch's appended key (or value) rows, the same for every batch item: the learned
   /// bias_k/bias_v row (add_bias_kv), then a zero row (add_zero_attn).
   void extra_rows(const RowVector<T>& bias_row, Matrix<T>& out) const {
-    const Index extra = (config_.add_bias_kv ? 1 : 0) + (config_.add_zero_attn ? 1 : 0);
-    out.resize(extra, config_.num_kv_heads * head_dim());
+    out.resize(extra_keys(), config_.num_kv_heads * head_dim());
     Index next = 0;
     if (config_.add_bias_kv) out.row(next++) = bias_row;
     if (config_.add_zero_attn) out.row(next).setZero();

@@ -1,10 +1,10 @@
 #pragma once
 /// \file positional.hpp
 /// Where each token is: sinusoidal encodings (Vaswani et al. 2017, and the layouts of Hugging Face
-/// Marian/BART and tensor2tensor/fairseq), learned position embeddings (BERT, GPT-2) and the
-/// standard ALiBi slopes (Press et al. 2022). Rotary position embedding (RoPE, with partial
-/// rotation, linear, NTK-aware and YaRN scaling, and the weight conversion between its two
-/// pairings) is in rope.hpp, which this header includes.
+/// Marian/BART and tensor2tensor/fairseq), learned position embeddings (BERT, GPT-2; with the
+/// gradient of their table) and the standard ALiBi slopes (Press et al. 2022). Rotary position
+/// embedding (RoPE, with partial rotation, linear, NTK-aware and YaRN scaling, its backward, and
+/// the weight conversion between its two pairings) is in rope.hpp, which this header includes.
 ///
 /// Self-attention alone is permutation equivariant: permuting the tokens permutes the output rows
 /// and nothing else ("dog bites man" and "man bites dog" get the same rows). Each of these adds
@@ -110,6 +110,11 @@ Matrix<T> sinusoidal_encoding_tensor2tensor(Index max_len, Index d_model) {
 // ------------------------------------------------------------------------------------------------
 
 /// Learned absolute position embeddings (BERT, GPT-2): one trainable row per position.
+///
+/// Gradients: Y = X + table rows [offset, offset + n), so with dY = dL/dY given,
+/// dX = dY (the addition passes the gradient through unchanged: no call needed) and
+/// d table = dY in rows offset .. offset + n - 1, zero elsewhere (`table_gradient`; summed over the
+/// calls of a step with `accumulate_table_gradient`).
 template <class T>
 class LearnedPositionalEmbedding {
  public:
@@ -140,7 +145,7 @@ class LearnedPositionalEmbedding {
   ///         table have no embedding: a learned table cannot extrapolate).
   template <class D>
   void add_to(Eigen::MatrixBase<D>& X, Index offset = 0) const {
-    check("LearnedPositionalEmbedding::add_to", X, offset);
+    check("LearnedPositionalEmbedding::add_to", "X", X, offset);
     X += table.middleRows(offset, X.rows());
   }
   /// `add_to` for a temporary writable expression (`M.middleRows(...)`).
@@ -152,23 +157,71 @@ class LearnedPositionalEmbedding {
   /// `X + table rows [offset, offset + n)`, as a new matrix (see `add_to`).
   template <class D>
   Matrix<T> added(const Eigen::MatrixBase<D>& X, Index offset = 0) const {
-    check("LearnedPositionalEmbedding::added", X, offset);
+    check("LearnedPositionalEmbedding::added", "X", X, offset);
     Matrix<T> Y = X;
     Y += table.middleRows(offset, X.rows());
     return Y;
   }
 
+  /// The gradient of a loss with respect to `table`, given dY = dL/dY for
+  /// Y = added(X, offset) (or X after add_to(X, offset)). The gradient with respect to X is dY
+  /// itself.
+  /// \param dY      n x d_model, the gradient of the loss with respect to Y
+  /// \param offset  the forward's position of the first row, >= 0
+  /// \returns max_len x d_model: rows offset .. offset + n - 1 are dY, the others zero.
+  /// \throws shape_error as `add_to` (dY's width, positions outside the table).
+  /// \note Allocates the max_len x d_model result; `accumulate_table_gradient` adds into storage
+  ///       the caller keeps.
+  template <class D>
+  Matrix<T> table_gradient(const Eigen::MatrixBase<D>& dY, Index offset = 0) const {
+    check("LearnedPositionalEmbedding::table_gradient", "dY", dY, offset);
+    Matrix<T> dtable = Matrix<T>::Zero(table.rows(), table.cols());
+    dtable.middleRows(offset, dY.rows()) = dY;
+    return dtable;
+  }
+
+  /// Adds the table gradient of one call (see `table_gradient`) into `dtable`: its rows
+  /// offset .. offset + n - 1 get dY added, the others stay. For a training step that adds
+  /// positions to several sequences (or chunks of one): zero dtable once, accumulate each call.
+  /// \param dY      n x d_model, the gradient of the loss with respect to Y
+  /// \param offset  the forward's position of the first row, >= 0
+  /// \param dtable  max_len x d_model, added to (a matrix or a writable block of one)
+  /// \throws shape_error as `add_to`, or if dtable is not max_len x d_model.
+  /// \note n * d_model additions; no allocation.
+  template <class D, class G>
+  void accumulate_table_gradient(const Eigen::MatrixBase<D>& dY, Index offset,
+                                 Eigen::MatrixBase<G>& dtable) const {
+    const char* function = "LearnedPositionalEmbedding::accumulate_table_gradient";
+    static_assert(std::is_same_v<typename G::Scalar, T>,
+                  "dtable must have the table's scalar type");
+    check(function, "dY", dY, offset);
+    if (dtable.rows() != table.rows() || dtable.cols() != table.cols()) {
+      detail::fail(function, "dtable is ", detail::shape_of(dtable), " but the table is ",
+                   detail::shape_of(table), " (a gradient has the table's shape)");
+    }
+    dtable.middleRows(offset, dY.rows()) += dY;
+  }
+  /// `accumulate_table_gradient` into a temporary writable expression (`M.middleCols(...)`).
+  template <class D, class G>
+  void accumulate_table_gradient(const Eigen::MatrixBase<D>& dY, Index offset,
+                                 Eigen::MatrixBase<G>&& dtable) const {
+    accumulate_table_gradient(dY, offset, dtable);
+  }
+
  private:
   template <class D>
-  void check(const char* function, const Eigen::MatrixBase<D>& X, Index offset) const {
-    static_assert(std::is_same_v<typename D::Scalar, T>, "X must have the table's scalar type");
+  void check(const char* function, const char* name, const Eigen::MatrixBase<D>& X,
+             Index offset) const {
+    static_assert(std::is_same_v<typename D::Scalar, T>,
+                  "the operand must have the table's scalar type");
     if (X.cols() != table.cols()) {
-      detail::fail(function, "X has ", X.cols(), " columns but the table has ", table.cols(),
-                   " (X is ", detail::shape_of(X), ", table is ", detail::shape_of(table), ")");
+      detail::fail(function, name, " has ", X.cols(), " columns but the table has ", table.cols(),
+                   " (", name, " is ", detail::shape_of(X), ", table is ", detail::shape_of(table),
+                   ")");
     }
     if (offset < 0 || offset + X.rows() > table.rows()) {
       detail::fail(function, "positions ", offset, " .. ", offset + X.rows() - 1,
-                   " are outside the table's 0 .. ", table.rows() - 1, " (X is ",
+                   " are outside the table's 0 .. ", table.rows() - 1, " (", name, " is ",
                    detail::shape_of(X), ", offset ", offset, ", table is ", detail::shape_of(table),
                    ")");
     }

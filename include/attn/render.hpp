@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <locale>
 #include <optional>
+#include <ostream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -162,6 +163,19 @@ inline std::string xml_escape(const std::string& text) {
   return escaped;
 }
 
+/// The opening of a standalone SVG document of width x height (user units = pixels) in the
+/// pictures' font, with its `<title>` when `title` is not empty.
+inline void svg_open(std::ostream& svg, double width, double height, double font,
+                     const std::string& title) {
+  const auto c = coordinate;
+  svg << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+      << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << c(width) << "\" height=\""
+      << c(height) << "\" viewBox=\"0 0 " << c(width) << " " << c(height)
+      << "\" font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\" font-size=\"" << c(font)
+      << "\">\n";
+  if (!title.empty()) svg << "<title>" << xml_escape(title) << "</title>\n";
+}
+
 /// Characters shown for a UTF-8 string (code points; wide characters count as one).
 inline std::size_t display_width(const std::string& text) {
   std::size_t width = 0;
@@ -297,12 +311,7 @@ inline std::string svg_heatmap_kernel(const HeatmapInput& input,
   std::ostringstream svg;
   svg.imbue(std::locale::classic());
   const auto c = coordinate;
-  svg << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
-      << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << c(width) << "\" height=\""
-      << c(height) << "\" viewBox=\"0 0 " << c(width) << " " << c(height)
-      << "\" font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\" font-size=\"" << c(font)
-      << "\">\n";
-  if (!options.title.empty()) svg << "<title>" << xml_escape(options.title) << "</title>\n";
+  svg_open(svg, width, height, font, options.title);
   // Defs: the hatching of forbidden cells and the legend's gradient (viridis, low at the bottom).
   svg << "<defs>\n"
       << "<pattern id=\"attn-hatch\" width=\"6\" height=\"6\" patternUnits=\"userSpaceOnUse\" "

@@ -1,7 +1,8 @@
 #pragma once
 /// \file rope.hpp
 /// Rotary position embedding (RoPE, Su et al. 2021): `rope` and `rope_inplace` with both feature
-/// pairings, partial rotation and position scaling (linear, NTK-aware, YaRN; `RopeOptions`), and
+/// pairings, partial rotation and position scaling (linear, NTK-aware, YaRN; `RopeOptions`), their
+/// backward `rope_backward` and `rope_backward_inplace` (the transposed rotation), and
 /// `convert_rope_weights`, the column permutation between the two pairings. The rotation kernel and
 /// its frequency table (`detail::rope_table`, `detail::rope_kernel`) are shared with `KVCache`.
 ///
@@ -84,8 +85,6 @@ struct RopeOptions {
 
 namespace detail {
 
-/// Requires a size (a count of rows, columns or heads) of at least 1.
-/// \throws shape_error naming `function`, the size's `name` and its value.
 /// What the rotation kernel needs of a `RopeOptions`, in double (so that float results carry no
 /// error from the angles): pair i at position p turns by `(p / position_scale) * frequencies[i]`,
 /// and its cosine and sine are multiplied by `magnitude`.
@@ -210,6 +209,12 @@ RopeTable rope_table(const char* function, Index head_dim, const RopeOptions<T>&
   return table;
 }
 
+/// Which way `rope_kernel` turns: RoPE itself, or its transpose (the backward pass).
+enum class RopeRotation {
+  Forward,     ///< y = m R(theta) x
+  Transposed,  ///< y = m R(theta)^T x = m R(-theta) x: the gradient dX of dY
+};
+
 /// Rotates, in place, every head of every row of X: row r is at position `first_position + r`.
 /// The cosines and sines of a row are computed once (in double, times `table.magnitude`) and used
 /// by all its heads; features past d_rot = 2 * frequencies are left as they are.
@@ -217,12 +222,18 @@ RopeTable rope_table(const char* function, Index head_dim, const RopeOptions<T>&
 ///     Interleaved: (x_2i, x_2i+1) -> (x_2i c - x_2i+1 s, x_2i s + x_2i+1 c)
 ///     Half:        (x_i, x_i+h)   -> (x_i c - x_i+h s,   x_i s + x_i+h c),  h = d_rot / 2
 ///
-/// \param X      rows x (heads * head_dim), row-major: head h in columns
-///               [h * head_dim, (h + 1) * head_dim); checked by the caller
-/// \param table  from `rope_table` for head_dim
+/// with c = m cos(theta), s = m sin(theta) (m = `table.magnitude`). Each pair's map is m R(theta)
+/// (R a rotation), so its Jacobian is m R(theta) and the gradient of a loss is
+/// dX = (m R(theta))^T dY = m R(-theta) dY: `RopeRotation::Transposed` runs the same loop with s
+/// negated (exactly: a sign flip), the features past d_rot passing dY through as they pass X.
+/// \param X         rows x (heads * head_dim), row-major: head h in columns
+///                  [h * head_dim, (h + 1) * head_dim); checked by the caller
+/// \param table     from `rope_table` for head_dim
+/// \param rotation  RoPE (the forward) or its transpose (the backward)
 template <class T>
 void rope_kernel(Eigen::Ref<Matrix<T>> X, Index head_dim, Index first_position, RopeStyle style,
-                 const RopeTable& table) {
+                 const RopeTable& table, RopeRotation rotation = RopeRotation::Forward) {
+  const double sine_sign = rotation == RopeRotation::Forward ? 1.0 : -1.0;
   const Index pairs = static_cast<Index>(table.frequencies.size());
   const Index heads = X.cols() / head_dim;
   RowVector<T> c(pairs);
@@ -232,7 +243,7 @@ void rope_kernel(Eigen::Ref<Matrix<T>> X, Index head_dim, Index first_position, 
     for (Index i = 0; i < pairs; ++i) {
       const double angle = p * table.frequencies[static_cast<std::size_t>(i)];
       c(i) = static_cast<T>(table.magnitude * std::cos(angle));
-      s(i) = static_cast<T>(table.magnitude * std::sin(angle));
+      s(i) = static_cast<T>(sine_sign * table.magnitude * std::sin(angle));
     }
     for (Index h = 0; h < heads; ++h) {
       T* x = X.row(r).data() + h * head_dim;
@@ -249,13 +260,34 @@ void rope_kernel(Eigen::Ref<Matrix<T>> X, Index head_dim, Index first_position, 
 }
 
 /// `rope_kernel` over X as one head, after checking `offset` and the options.
-/// \param X  n x d, row-major, rotated in place
+/// \param name      the operand's name in messages ("X", or "dY" for the backward)
+/// \param X         n x d, row-major, rotated in place
+/// \param rotation  RoPE or its transpose
 /// \throws shape_error naming `function` on a negative offset or invalid options.
 template <class T>
-void rope_checked(const char* function, Eigen::Ref<Matrix<T>> X, Index offset, RopeStyle style,
-                  const RopeOptions<T>& options) {
-  if (offset < 0) fail(function, "offset must be >= 0, got ", offset, " (X is ", shape_of(X), ")");
-  rope_kernel<T>(X, X.cols(), offset, style, rope_table(function, X.cols(), options));
+void rope_checked(const char* function, const char* name, Eigen::Ref<Matrix<T>> X, Index offset,
+                  RopeStyle style, const RopeOptions<T>& options, RopeRotation rotation) {
+  if (offset < 0) {
+    fail(function, "offset must be >= 0, got ", offset, " (", name, " is ", shape_of(X), ")");
+  }
+  rope_kernel<T>(X, X.cols(), offset, style, rope_table(function, X.cols(), options), rotation);
+}
+
+/// `rope_checked` on any writable operand: in place when X binds to a row-major `Ref` (a matrix or
+/// a row-major block), else through a row-major copy written back (a column-major or strided X).
+template <class D>
+void rope_checked_any(const char* function, const char* name, Eigen::MatrixBase<D>& X, Index offset,
+                      RopeStyle style, const RopeOptions<typename D::Scalar>& options,
+                      RopeRotation rotation) {
+  using T = typename D::Scalar;
+  static_assert(is_supported_scalar_v<T>, "attn works on floating-point scalars");
+  if constexpr (std::is_constructible_v<Eigen::Ref<Matrix<T>>, D&>) {
+    rope_checked<T>(function, name, X.derived(), offset, style, options, rotation);
+  } else {
+    Matrix<T> copy = X;
+    rope_checked<T>(function, name, copy, offset, style, options, rotation);
+    X = copy;
+  }
 }
 
 }  // namespace detail
@@ -286,15 +318,8 @@ void rope_checked(const char* function, Eigen::Ref<Matrix<T>> X, Index offset, R
 template <class D>
 void rope_inplace(Eigen::MatrixBase<D>& X, Index offset, RopeStyle style,
                   const RopeOptions<typename D::Scalar>& options = {}) {
-  using T = typename D::Scalar;
-  static_assert(detail::is_supported_scalar_v<T>, "attn works on floating-point scalars");
-  if constexpr (std::is_constructible_v<Eigen::Ref<Matrix<T>>, D&>) {
-    detail::rope_checked<T>("rope_inplace", X.derived(), offset, style, options);
-  } else {  // a column-major or otherwise strided operand: rotate a row-major copy
-    Matrix<T> copy = X;
-    detail::rope_checked<T>("rope_inplace", copy, offset, style, options);
-    X = copy;
-  }
+  detail::rope_checked_any("rope_inplace", "X", X, offset, style, options,
+                           detail::RopeRotation::Forward);
 }
 
 /// `rope_inplace` for a temporary writable expression (`M.middleRows(...)`).
@@ -323,7 +348,7 @@ Matrix<typename D::Scalar> rope(const Eigen::MatrixBase<D>& X, Index offset, Rop
   using T = typename D::Scalar;
   static_assert(detail::is_supported_scalar_v<T>, "attn works on floating-point scalars");
   Matrix<T> Y = X;
-  detail::rope_checked<T>("rope", Y, offset, style, options);
+  detail::rope_checked<T>("rope", "X", Y, offset, style, options, detail::RopeRotation::Forward);
   return Y;
 }
 
@@ -344,6 +369,76 @@ Matrix<typename D::Scalar> rope(const Eigen::MatrixBase<D>& X, Index offset, Rop
   RopeOptions<T> options;
   options.base = static_cast<T>(base);
   return rope(X, offset, style, options);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Backward
+// ------------------------------------------------------------------------------------------------
+
+/// The backward of `rope_inplace`, in place: given dY = dL/dY for Y = rope(X, offset, style,
+/// options), overwrites it with dX = dL/dX. Each pair's map is m R(theta) (R the rotation by
+/// theta, m YaRN's attention factor, 1 without YaRN), so dX = m R(theta)^T dY = m R(-theta) dY:
+/// the same rotation kernel and table as the forward, with the sine negated. The features past
+/// d_rot pass dY through. The result is the exact gradient up to the rounding of one rotation
+/// (the forward's own error); `rope_backward(rope(X, ...), ...)` is m^2 X up to that rounding.
+/// \param dY       n x d (as the forward's X), overwritten with dX; a matrix or a writable block
+/// \param offset   the forward's position of the first row, >= 0
+/// \param style    the forward's pairing
+/// \param options  the forward's options (every field; see `RopeOptions`)
+/// \throws shape_error as `rope_inplace` (naming `rope_backward_inplace`).
+/// \note As `rope_inplace`: n * d_rot / 2 cosines and sines plus 3 n d_rot flops.
+template <class D>
+void rope_backward_inplace(Eigen::MatrixBase<D>& dY, Index offset, RopeStyle style,
+                           const RopeOptions<typename D::Scalar>& options = {}) {
+  detail::rope_checked_any("rope_backward_inplace", "dY", dY, offset, style, options,
+                           detail::RopeRotation::Transposed);
+}
+
+/// `rope_backward_inplace` for a temporary writable expression (`M.middleRows(...)`).
+template <class D>
+void rope_backward_inplace(Eigen::MatrixBase<D>&& dY, Index offset, RopeStyle style,
+                           const RopeOptions<typename D::Scalar>& options = {}) {
+  rope_backward_inplace(dY, offset, style, options);
+}
+
+/// The backward of `rope`: the gradient dX = dL/dX of a loss L, given dY = dL/dY for
+/// Y = rope(X, offset, style, options); see `rope_backward_inplace`. `rope_backward(dY, offset,
+/// style)` and `rope_backward(dY, offset, style, {})` use the default options, as `rope` does.
+/// \param dY       n x d, the gradient of the loss with respect to rope's output
+/// \param offset   the forward's position of the first row, >= 0
+/// \param style    the forward's pairing
+/// \param options  the forward's options
+/// \returns n x d: dX, row r rotated back by position offset + r's angles (and, with YaRN, its
+///          first d_rot features multiplied by the attention factor, as in the forward).
+/// \throws shape_error as `rope` (naming `rope_backward`).
+/// \note As `rope_backward_inplace`, plus the n x d result.
+template <class D>
+Matrix<typename D::Scalar> rope_backward(const Eigen::MatrixBase<D>& dY, Index offset,
+                                         RopeStyle style,
+                                         const RopeOptions<typename D::Scalar>& options = {}) {
+  using T = typename D::Scalar;
+  static_assert(detail::is_supported_scalar_v<T>, "attn works on floating-point scalars");
+  Matrix<T> dX = dY;
+  detail::rope_checked<T>("rope_backward", "dY", dX, offset, style, options,
+                          detail::RopeRotation::Transposed);
+  return dX;
+}
+
+/// `rope_backward` with the default options but another frequency base, as `rope(X, offset,
+/// style, base)`.
+/// \param dY      n x d, d even
+/// \param offset  the forward's position of the first row, >= 0
+/// \param style   the forward's pairing
+/// \param base    the forward's frequency base, finite and > 0 (converted to dY's scalar type)
+/// \returns n x d: dX.
+/// \throws shape_error if d is odd, offset < 0 or base is not finite and positive.
+template <class D, class Base, std::enable_if_t<std::is_arithmetic_v<Base>, int> = 0>
+Matrix<typename D::Scalar> rope_backward(const Eigen::MatrixBase<D>& dY, Index offset,
+                                         RopeStyle style, Base base) {
+  using T = typename D::Scalar;
+  RopeOptions<T> options;
+  options.base = static_cast<T>(base);
+  return rope_backward(dY, offset, style, options);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -102,6 +102,16 @@ struct AttentionTrace {
   Matrix<T> output;   ///< n x d_v, `weights V`
 };
 
+/// Gradients of one attention call (`attention_backward`): of the loss L, given dO = dL/dO.
+template <class T>
+struct AttentionGrads {
+  Matrix<T> dQ;     ///< n x d_k
+  Matrix<T> dK;     ///< m x d_k
+  Matrix<T> dV;     ///< m x d_v
+  Matrix<T> dbias;  ///< n x m when the options have a `bias` (0 where masked), else empty
+  T dsink = T(0);   ///< dL/d(sink) when the options have a `sink`, else 0
+};
+
 namespace detail {
 template <class T>
 inline constexpr bool is_supported_scalar_v = std::is_floating_point_v<T>;

@@ -1,0 +1,145 @@
+// Attention backward against its forward, in one run: what a training step pays.
+//   build/bench/attn_backward_bench
+//   python3 bench/compare_backward.py --build build   (the ratio table backward / forward)
+// BM_Forward: `flash_attention` with the log-sum-exp (the forward a training step keeps).
+// BM_Backward: `attention_backward` from that forward's output and log-sum-exp (what a training
+// loop calls), into caller storage. BM_BackwardNaive: the baseline, whole-matrix Eigen products
+// of the materialised formulas (P, dP and dS as n x n tables). Both over `heads` heads, one after
+// the other, each head on all of attn's threads. FLOP/s counts the useful flops: 4 n n d per head
+// for the forward, 10 n n d for the backward (five products: S, dP, dV, dK, dQ; FlashAttention-2
+// counts the same 2.5x), halved when causal. Wall-clock (UseRealTime); read ratios within one run.
+
+#include <vector>
+
+#include "bench_support.hpp"
+
+namespace {
+
+using attn::Index;
+
+/// One case: `heads` heads of Q, K, V, dO (n x d each) from fixed seeds, the forward's outputs
+/// and the gradients allocated and touched. Arguments (n, d, heads, causal).
+template <class T>
+struct Case {
+  explicit Case(const benchmark::State& state)
+      : n(state.range(0)), d(state.range(1)), heads(state.range(2)), causal(state.range(3) != 0) {
+    for (Index h = 0; h < heads; ++h) {
+      const auto seed = static_cast<std::uint32_t>(4 * h);
+      Q.push_back(attn_bench::random_matrix<T>(n, d, seed + 1));
+      K.push_back(attn_bench::random_matrix<T>(n, d, seed + 2));
+      V.push_back(attn_bench::random_matrix<T>(n, d, seed + 3));
+      dO.push_back(attn_bench::random_matrix<T>(n, d, seed + 4));
+    }
+    if (causal) options.causal = attn::Causal::BottomRight;
+    O.resize(static_cast<std::size_t>(heads));
+    lse.resize(static_cast<std::size_t>(heads));
+    grads.resize(static_cast<std::size_t>(heads));
+    for (std::size_t h = 0; h < Q.size(); ++h) {
+      O[h] = attn::flash_attention(Q[h], K[h], V[h], options, lse[h]);
+      attn::attention_backward(Q[h], K[h], V[h], O[h], lse[h], dO[h], options, grads[h]);
+    }
+  }
+  double pairs() const {
+    const double all = static_cast<double>(heads) * static_cast<double>(n) * static_cast<double>(n);
+    return causal ? 0.5 * all : all;
+  }
+  Index n, d, heads;
+  bool causal;
+  std::vector<attn::Matrix<T>> Q, K, V, dO, O;
+  std::vector<attn::Vector<T>> lse;
+  std::vector<attn::AttentionGrads<T>> grads;
+  attn::AttentionOptions<T> options;
+};
+
+template <class Call>
+void time_calls(benchmark::State& state, const Call& call, double flops) {
+  for (auto _ : state) {
+    call();
+    benchmark::ClobberMemory();
+  }
+  state.counters["FLOP/s"] =
+      benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+template <class T>
+void BM_Forward(benchmark::State& state) {
+  Case<T> c(state);
+  time_calls(
+      state,
+      [&] {
+        for (std::size_t h = 0; h < c.Q.size(); ++h) {
+          c.O[h] = attn::flash_attention(c.Q[h], c.K[h], c.V[h], c.options, c.lse[h]);
+          benchmark::DoNotOptimize(c.O[h].data());
+        }
+      },
+      4.0 * c.pairs() * static_cast<double>(c.d));
+}
+
+template <class T>
+void BM_Backward(benchmark::State& state) {
+  Case<T> c(state);
+  time_calls(
+      state,
+      [&] {
+        for (std::size_t h = 0; h < c.Q.size(); ++h) {
+          attn::attention_backward(c.Q[h], c.K[h], c.V[h], c.O[h], c.lse[h], c.dO[h], c.options,
+                                   c.grads[h]);
+          benchmark::DoNotOptimize(c.grads[h].dQ.data());
+        }
+      },
+      10.0 * c.pairs() * static_cast<double>(c.d));
+}
+
+/// The materialised formulas as whole-matrix Eigen products, serially (the baseline a user would
+/// write): P from the scores, dV = P^T dO, dP = dO V^T, dS = P o (dP - rowsum(dP o P)),
+/// dQ = scale dS K, dK = scale dS^T Q.
+template <class T>
+void BM_BackwardNaive(benchmark::State& state) {
+  Case<T> c(state);
+  const T scale = T(1) / std::sqrt(static_cast<T>(c.d));
+  attn::Matrix<T> P(c.n, c.n), dP(c.n, c.n);
+  time_calls(
+      state,
+      [&] {
+        for (std::size_t h = 0; h < c.Q.size(); ++h) {
+          P.noalias() = scale * (c.Q[h] * c.K[h].transpose());
+          if (c.causal) attn::apply_mask(P, attn::causal_mask(c.n, c.n));
+          attn::softmax_rows_inplace(P);
+          attn::AttentionGrads<T>& g = c.grads[h];
+          g.dV.noalias() = P.transpose() * c.dO[h];
+          dP.noalias() = c.dO[h] * c.V[h].transpose();
+          const attn::Vector<T> D = (P.array() * dP.array()).rowwise().sum();
+          dP = P.array() * (dP.colwise() - D).array();
+          g.dQ.noalias() = scale * (dP * c.K[h]);
+          g.dK.noalias() = scale * (dP.transpose() * c.Q[h]);
+          benchmark::DoNotOptimize(g.dQ.data());
+        }
+      },
+      10.0 * c.pairs() * static_cast<double>(c.d));
+}
+
+const std::vector<int64_t> kSizes = {512, 1024, 2048, 4096};
+
+BENCHMARK(BM_Forward<float>)
+    ->ArgsProduct({kSizes, {64}, {1, 8}, {0, 1}})
+    ->ArgNames({"n", "d", "heads", "causal"})
+    ->UseRealTime();
+BENCHMARK(BM_Backward<float>)
+    ->ArgsProduct({kSizes, {64}, {1, 8}, {0, 1}})
+    ->ArgNames({"n", "d", "heads", "causal"})
+    ->UseRealTime();
+BENCHMARK(BM_BackwardNaive<float>)
+    ->ArgsProduct({{512, 1024, 2048}, {64}, {1}, {0, 1}})
+    ->ArgNames({"n", "d", "heads", "causal"})
+    ->UseRealTime();
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  attn_bench::add_context();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,418 @@
+#pragma once
+/// \file detail/backward_kernels.hpp
+/// The kernels of `attention_backward`: one tile step (P and dS of a block of queries against a
+/// block of keys, recomputed from the forward's log-sum-exp by the one score rule), the
+/// materialised backward (small problems: the n x m tables P and dS, then whole products), the
+/// tiled backward (FlashAttention-2's: the keys in blocks, each block's dK and dV accumulated by
+/// one thread over every query block that sees it; never an n x m table), and their naive twin,
+/// entry by entry, which recomputes every gradient row that came out not finite (so a forbidden
+/// key or query never reaches a gradient through 0 * NaN in a tile product).
+///
+/// Determinism: every output row is accumulated by one thread in a fixed order. dK and dV rows
+/// belong to the task of their key block. dQ takes a contribution from every key block: the key
+/// blocks are grouped into at most `backward_max_parts` parts (a number fixed by m and the tiles,
+/// never by the thread count), each part accumulates its own partial dQ, and the partials are
+/// summed in part order. The result is then the same bits for any number of threads.
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../flash.hpp"
+#include "../softmax.hpp"
+#include "../threads.hpp"
+#include "../types.hpp"
+#include "paths.hpp"
+#include "score_rule.hpp"
+#include "value_tiles.hpp"
+
+namespace attn {
+
+/// Tile sizes of the tiled backward (query rows x key columns per tile). The key tiles are rounded
+/// up to whole register panels of the score kernel, as `FlashTiles`' are. 128 x 128 measured best
+/// of 64-128 on an AVX-512 machine (bench/backward_bench.cpp, d = 64).
+struct BackwardTiles {
+  Index query_rows = 128;
+  Index key_cols = 128;
+};
+
+namespace detail {
+
+/// The most parts the tiled backward splits the keys into (each part keeps an n x d_k partial dQ).
+inline constexpr Index backward_max_parts = 16;
+
+/// The backward runs where the forward would: tiled beyond the crossover, materialised below it
+/// (one query included: its tables are 1 x m).
+template <class T>
+Path backward_path(const ScoreRule<T>& rule, Index d_k, Index d_v) {
+  return choose_path(rule, d_k, d_v, false) == Path::Tiled ? Path::Tiled : Path::Materialised;
+}
+
+/// The forward on `path`, keeping the output O (n x d_v) and each row's log-sum-exp (n).
+template <class T>
+void forward_for_backward(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& rule,
+                          Path path, Eigen::Ref<Matrix<T>> O, Vector<T>& lse) {
+  lse.resize(Q.rows());
+  if (path == Path::Tiled) {
+    flash_kernel<T>(Q, K, V, rule, FlashTiles{}, O, lse.data());
+  } else {
+    Matrix<T> P;
+    materialised_kernel<T>(Q, K, V, rule, P, O, lse.data());
+  }
+}
+
+/// Per-thread working memory of a tile step.
+template <class T>
+struct BackwardScratch {
+  Matrix<T> P;   ///< rows x cols: logits, then probabilities
+  Matrix<T> dS;  ///< rows x cols: dP, then dS
+  Matrix<T> G;   ///< rows x cols: the softcap's derivative 1 - tanh^2(s / c)
+};
+
+/// The inputs of a backward every step reads: the forward's operands, its log-sum-exp, dO and
+/// D = rowsum(dO o O).
+template <class T>
+struct BackwardInputs {
+  ConstRef<T> Q;
+  ConstRef<T> K;
+  ConstRef<T> V;
+  ConstRef<T> dO;
+  const Vector<T>& lse;
+  const Vector<T>& D;
+  const ScoreRule<T>& rule;
+};
+
+/// K and V packed once per call into the score kernel's panels (for S = Q K^T and dP = dO V^T),
+/// or none (the materialised path's Eigen products).
+template <class T>
+struct PackedOperands {
+  PackedKeys<T> K;
+  PackedKeys<T> V;
+  explicit operator bool() const { return K.panels != nullptr; }
+};
+
+/// One tile step: for queries [i0, i0 + rows) and keys [j0, j0 + cols), the probabilities
+/// P_ij = exp(z_ij - lse_i) into `scratch.P` and the unscaled score gradient dS_ij (dZ_ij through
+/// the softcap) into `scratch.dS`, both rows x cols at the start of their rows (row strides
+/// `P.outerStride()`, `dS.outerStride()`); dbias (when not null) receives dZ of the tile.
+/// With `packed`, j0 is on a register panel and the products run in the score kernel's register
+/// tiles (the buffers are then padded to whole panels); without, in Eigen's GEMM.
+///
+/// Passes:
+///   1. s = scale Q_i K_j^T; softcap t = c tanh(s / c) with G = 1 - (t / c)^2; the score rule's
+///      tables and key ranges where they change anything (forbidden entries -> -inf).
+///   2. P = exp(z - lse_i) (exactly 0 where forbidden; a row with lse = -inf sees nothing: zeros).
+///   3. dP = dO_i V_j^T; dZ = P o (dP - D_i), exactly 0 where P is 0 (no 0 * NaN); dS = dZ o G.
+template <class T>
+void backward_tile(const BackwardInputs<T>& in, const PackedOperands<T>& packed, Index i0,
+                   Index rows, Index j0, Index cols, BackwardScratch<T>& scratch, T* dbias,
+                   Index dbias_stride) {
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  using Tile = Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>;
+  const ScoreRule<T>& rule = in.rule;
+  const Index width = packed ? whole_panels<T>(cols) : cols;
+  if (scratch.P.rows() < rows || scratch.P.cols() < width) {
+    scratch.P.resize(std::max(rows, scratch.P.rows()), std::max(width, scratch.P.cols()));
+    scratch.dS.resize(scratch.P.rows(), scratch.P.cols());
+  }
+  Tile P(scratch.P.data(), rows, cols, Eigen::OuterStride<>(scratch.P.outerStride()));
+  Tile dS(scratch.dS.data(), rows, cols, Eigen::OuterStride<>(scratch.dS.outerStride()));
+  const auto products = [&](ConstRef<T> A, const PackedKeys<T>& B_packed, ConstRef<T> B, T scale,
+                            Tile& out) {
+    if (packed) {
+      constexpr Index w = ScoreTile<T>::cols;
+      for (Index jj = 0; jj < cols; jj += w) {
+        score_panel<T>(A.data() + i0 * A.outerStride(), A.outerStride(), rows,
+                       B_packed.panel(j0 + jj), A.cols(), scale, out.data() + jj, out.outerStride(),
+                       w, false);
+      }
+    } else {
+      out.noalias() = (scale * A.middleRows(i0, rows)) * B.middleRows(j0, cols).transpose();
+    }
+  };
+
+  // 1. Logits by the score rule.
+  products(in.Q, packed.K, in.K, rule.scale, P);
+  if (rule.softcap) {
+    const T c = *rule.softcap;
+    P = c * (P.array() * (T(1) / c)).tanh();
+    scratch.G.resize(rows, cols);
+    scratch.G = T(1) - (P.array() * (T(1) / c)).square();
+  }
+  const KeyRange first_row = rule.keys(i0);
+  const KeyRange last_row = rule.keys(i0 + rows - 1);
+  const bool inside = last_row.begin <= j0 && first_row.end >= j0 + cols;
+  if (rule.has_tables() || !inside) rule.apply_tables(P, i0, j0);
+
+  // 2. Probabilities from the log-sum-exp.
+  for (Index r = 0; r < rows; ++r) {
+    const T lse_i = in.lse(i0 + r);
+    if (lse_i == neg_inf) {
+      P.row(r).setZero();
+    } else {
+      exp_shifted_inplace<T>(P.row(r), lse_i);
+    }
+  }
+
+  // 3. dP, dZ, dS.
+  products(in.dO, packed.V, in.V, T(1), dS);
+  for (Index r = 0; r < rows; ++r) {
+    const T D_i = in.D(i0 + r);
+    T* ds = dS.data() + r * dS.outerStride();
+    const T* p = P.data() + r * P.outerStride();
+    for (Index c = 0; c < cols; ++c) ds[c] = p[c] == T(0) ? T(0) : p[c] * (ds[c] - D_i);
+    if (dbias) std::copy(ds, ds + cols, dbias + (i0 + r) * dbias_stride + j0);
+  }
+  if (rule.softcap) dS.array() *= scratch.G.array();
+}
+
+/// The naive twin of one entry: whether query i may attend key j, and then p_ij and the unscaled
+/// dS_ij, from the score rule's `logit` and dot products.
+template <class T>
+bool exact_entry(const BackwardInputs<T>& in, Index i, Index j, T& p, T& ds) {
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  const ScoreRule<T>& rule = in.rule;
+  const T scaled = rule.scale * in.Q.row(i).dot(in.K.row(j));
+  const T z = rule.logit(scaled, i, j);
+  if (z == neg_inf) return false;
+  p = in.lse(i) == neg_inf ? T(0) : std::exp(z - in.lse(i));
+  const T dz = p == T(0) ? T(0) : p * (in.dO.row(i).dot(in.V.row(j)) - in.D(i));
+  if (rule.softcap) {
+    const T t = std::tanh(scaled / *rule.softcap);
+    ds = dz * (T(1) - t * t);
+  } else {
+    ds = dz;
+  }
+  return true;
+}
+
+/// Recomputes, entry by entry and skipping every forbidden pair, each row of dQ, dK and dV that is
+/// not finite. A NaN the row really uses stays NaN.
+template <class T>
+void repair_gradients(const BackwardInputs<T>& in, AttentionGrads<T>& grads) {
+  const Index n = in.Q.rows();
+  const Index m = in.K.rows();
+  const T scale = in.rule.scale;
+  T p = T(0);
+  T ds = T(0);
+  if (!std::isfinite(grads.dQ.sum())) {
+    for (Index i = 0; i < n; ++i) {
+      if (std::isfinite(grads.dQ.row(i).sum())) continue;
+      grads.dQ.row(i).setZero();
+      for (Index j = 0; j < m; ++j) {
+        if (exact_entry(in, i, j, p, ds) && ds != T(0))
+          grads.dQ.row(i) += (scale * ds) * in.K.row(j);
+      }
+    }
+  }
+  if (std::isfinite(grads.dK.sum()) && std::isfinite(grads.dV.sum())) return;
+  for (Index j = 0; j < m; ++j) {
+    const bool dk_bad = !std::isfinite(grads.dK.row(j).sum());
+    const bool dv_bad = !std::isfinite(grads.dV.row(j).sum());
+    if (!dk_bad && !dv_bad) continue;
+    if (dk_bad) grads.dK.row(j).setZero();
+    if (dv_bad) grads.dV.row(j).setZero();
+    for (Index i = 0; i < n; ++i) {
+      if (!exact_entry(in, i, j, p, ds)) continue;
+      if (dk_bad && ds != T(0)) grads.dK.row(j) += (scale * ds) * in.Q.row(i);
+      if (dv_bad && p != T(0)) grads.dV.row(j) += p * in.dO.row(i);
+    }
+  }
+}
+
+/// The materialised backward: the n x m tables P and dS in blocks of query rows (in parallel),
+/// dQ of each block at once, then dV = P^T dO and dK = scale dS^T Q by blocks of key rows (in
+/// parallel). Shape contract as `backward_kernel`.
+template <class T>
+void materialised_backward(const BackwardInputs<T>& in, Matrix<T>& P, Matrix<T>& dS,
+                           AttentionGrads<T>& grads) {
+  const Index n = in.Q.rows();
+  const Index m = in.K.rows();
+  constexpr Index block = 64;
+  P.resize(n, m);
+  dS.resize(n, m);
+  T* dbias = grads.dbias.size() ? grads.dbias.data() : nullptr;
+  parallel_for<BackwardScratch<T>>((n + block - 1) / block, [&](Index b, BackwardScratch<T>& s) {
+    const Index i0 = b * block;
+    const Index rows = std::min(block, n - i0);
+    backward_tile<T>(in, PackedOperands<T>{}, i0, rows, 0, m, s, dbias, m);
+    P.middleRows(i0, rows) = s.P.topLeftCorner(rows, m);
+    dS.middleRows(i0, rows) = s.dS.topLeftCorner(rows, m);
+    grads.dQ.middleRows(i0, rows).noalias() = (in.rule.scale * dS.middleRows(i0, rows)) * in.K;
+  });
+  parallel_for<int>((m + block - 1) / block, [&](Index b, int&) {
+    const Index j0 = b * block;
+    const Index cols = std::min(block, m - j0);
+    grads.dV.middleRows(j0, cols).noalias() = P.middleCols(j0, cols).transpose() * in.dO;
+    grads.dK.middleRows(j0, cols).noalias() =
+        (in.rule.scale * dS.middleCols(j0, cols).transpose()) * in.Q;
+  });
+}
+
+/// The key blocks of the tiled backward and their grouping into parts (fixed by m and the tiles).
+struct KeyParts {
+  Index key_cols = 0;  ///< keys per block
+  Index blocks = 0;    ///< key blocks
+  Index per_part = 0;  ///< blocks per part
+  Index parts = 0;     ///< parts (<= backward_max_parts)
+};
+
+inline KeyParts key_parts(Index m, Index key_cols) {
+  KeyParts k;
+  k.key_cols = key_cols;
+  k.blocks = (m + key_cols - 1) / key_cols;
+  k.per_part = std::max<Index>(1, (k.blocks + backward_max_parts - 1) / backward_max_parts);
+  k.parts = (k.blocks + k.per_part - 1) / k.per_part;
+  return k;
+}
+
+/// The tiled backward (FlashAttention-2's, Dao 2023, Algorithm 2). Each part (a task of the
+/// parallel loop) takes its key blocks one after the other; for a key block K_j, V_j it visits
+/// every query block whose key range meets it (the others, causal or windowed, are skipped) and
+/// accumulates, in the value kernel's register tiles, dV_j += P^T dO_i, dK_j += dS^T Q_i (both
+/// reading P and dS transposed in place) and its own partial dQ_i += dS K_j. Finally dK *= scale
+/// and dQ = scale sum_p partial_p, in part order. Shape contract as `backward_kernel`; `packed`
+/// holds K and V in panels, key blocks are whole panels.
+template <class T>
+void tiled_backward(const BackwardInputs<T>& in, const PackedOperands<T>& packed,
+                    const BackwardTiles& tiles, std::vector<Matrix<T>>& partial,
+                    AttentionGrads<T>& grads) {
+  const Index n = in.Q.rows();
+  const Index m = in.K.rows();
+  const Index d_k = in.Q.cols();
+  const Index d_v = in.V.cols();
+  const ScoreRule<T>& rule = in.rule;
+  const KeyParts kp = key_parts(m, whole_panels<T>(tiles.key_cols));
+  partial.resize(static_cast<std::size_t>(kp.parts));
+  // The query rows [begin, end) each part touches (causal and window ranges leave parts of dQ
+  // untouched: they are neither zeroed nor summed).
+  std::vector<KeyRange> touched(static_cast<std::size_t>(kp.parts), KeyRange{n, 0});
+  T* dbias = grads.dbias.size() ? grads.dbias.data() : nullptr;
+  const auto sees = [&](Index i0, Index rows, Index j0, Index cols) {
+    const KeyRange range = rule.keys(i0, rows);
+    return range.end > j0 && range.begin < j0 + cols && !rule.masked_out(i0, rows, j0, cols);
+  };
+  parallel_for<BackwardScratch<T>>(kp.parts, [&](Index part, BackwardScratch<T>& s) {
+    const Index first_block = part * kp.per_part;
+    const Index last_block = std::min(kp.blocks, first_block + kp.per_part);
+    KeyRange& rows_touched = touched[static_cast<std::size_t>(part)];
+    for (Index blk = first_block; blk < last_block; ++blk) {
+      const Index j0 = blk * kp.key_cols;
+      const Index cols = std::min(kp.key_cols, m - j0);
+      for (Index i0 = 0; i0 < n; i0 += tiles.query_rows) {
+        const Index rows = std::min(tiles.query_rows, n - i0);
+        if (!sees(i0, rows, j0, cols)) continue;
+        rows_touched.begin = std::min(rows_touched.begin, i0);
+        rows_touched.end = std::max(rows_touched.end, i0 + rows);
+      }
+    }
+    Matrix<T>& dQ_p = partial[static_cast<std::size_t>(part)];
+    dQ_p.resize(n, d_k);
+    if (rows_touched.begin < rows_touched.end) {
+      dQ_p.middleRows(rows_touched.begin, rows_touched.end - rows_touched.begin).setZero();
+    }
+    for (Index blk = first_block; blk < last_block; ++blk) {
+      const Index j0 = blk * kp.key_cols;
+      const Index cols = std::min(kp.key_cols, m - j0);
+      T* dK_j = grads.dK.data() + j0 * d_k;
+      T* dV_j = grads.dV.data() + j0 * d_v;
+      grads.dK.middleRows(j0, cols).setZero();
+      grads.dV.middleRows(j0, cols).setZero();
+      for (Index i0 = 0; i0 < n; i0 += tiles.query_rows) {
+        const Index rows = std::min(tiles.query_rows, n - i0);
+        if (!sees(i0, rows, j0, cols)) continue;
+        backward_tile<T>(in, packed, i0, rows, j0, cols, s, dbias, m);
+        const Index p_stride = s.P.outerStride();
+        const Index ds_stride = s.dS.outerStride();
+        value_tiles<T, true>(cols, rows, d_v, s.P.data(), p_stride,
+                             in.dO.data() + i0 * in.dO.outerStride(), in.dO.outerStride(), nullptr,
+                             dV_j, d_v);
+        value_tiles<T, true>(cols, rows, d_k, s.dS.data(), ds_stride,
+                             in.Q.data() + i0 * in.Q.outerStride(), in.Q.outerStride(), nullptr,
+                             dK_j, d_k);
+        value_tiles<T>(rows, cols, d_k, s.dS.data(), ds_stride,
+                       in.K.data() + j0 * in.K.outerStride(), in.K.outerStride(), nullptr,
+                       dQ_p.data() + i0 * d_k, d_k);
+      }
+      grads.dK.middleRows(j0, cols) *= rule.scale;
+    }
+  });
+  constexpr Index block = 64;
+  parallel_for<int>((n + block - 1) / block, [&](Index b, int&) {
+    const Index i0 = b * block;
+    const Index i1 = std::min(n, i0 + block);
+    auto dQ_b = grads.dQ.middleRows(i0, i1 - i0);
+    dQ_b.setZero();
+    for (std::size_t p = 0; p < partial.size(); ++p) {
+      const Index begin = std::max(i0, touched[p].begin);
+      const Index end = std::min(i1, touched[p].end);
+      if (begin < end) {
+        grads.dQ.middleRows(begin, end - begin) += partial[p].middleRows(begin, end - begin);
+      }
+    }
+    dQ_b *= rule.scale;
+  });
+}
+
+/// Per-thread (calling thread) memory of the backward kept between calls.
+template <class T>
+struct BackwardBuffers {
+  Matrix<T> P, dS;                 ///< the materialised path's n x m tables
+  std::vector<Matrix<T>> partial;  ///< the tiled path's partial dQ, one per part
+  Vector<T> D;                     ///< rowsum(dO o O)
+  Vector<T> packed_K, packed_V;    ///< the tiled path's K and V in register panels
+};
+
+/// The backward of one attention call on `path`, from the forward's output O and log-sum-exp.
+/// Shape contract: Q n x d_k, K m x d_k, V m x d_v, O and dO n x d_v, lse n; grads resized to dQ
+/// n x d_k, dK m x d_k, dV m x d_v, dbias n x m (when the rule has a bias, else empty), dsink.
+template <class T>
+void backward_kernel(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, ConstRef<T> O,
+                     const Vector<T>& lse, ConstRef<T> dO, const ScoreRule<T>& rule, Path path,
+                     const BackwardTiles& tiles, AttentionGrads<T>& grads) {
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  const Index n = Q.rows();
+  const Index m = K.rows();
+  static thread_local BackwardBuffers<T> buffers;
+  BackwardBuffers<T>& store = buffers;
+  grads.dQ.resize(n, Q.cols());
+  grads.dK.resize(m, K.cols());
+  grads.dV.resize(m, V.cols());
+  if (rule.bias) {
+    grads.dbias.setZero(n, m);
+  } else {
+    grads.dbias.resize(0, 0);
+  }
+  grads.dsink = T(0);
+  // D_i = rowsum(dO o O)_i = sum_j P_ij dP_ij (O_i = sum_j P_ij V_j).
+  store.D = (dO.array() * O.array()).rowwise().sum();
+  const BackwardInputs<T> in{Q, K, V, dO, lse, store.D, rule};
+  if (n == 0 || m == 0) {
+    grads.dQ.setZero();
+    grads.dK.setZero();
+    grads.dV.setZero();
+  } else if (path == Path::Tiled) {
+    const auto pack = [](ConstRef<T> X, Vector<T>& buffer) {
+      buffer.resize(whole_panels<T>(X.rows()) * X.cols());
+      pack_panels<T>(
+          X.rows(), X.cols(), [&](Index j, Index c) { return X(j, c); }, buffer.data());
+      return PackedKeys<T>{buffer.data(), X.cols()};
+    };
+    const PackedOperands<T> packed{pack(K, store.packed_K), pack(V, store.packed_V)};
+    tiled_backward<T>(in, packed, tiles, store.partial, grads);
+  } else {
+    materialised_backward<T>(in, store.P, store.dS, grads);
+  }
+  repair_gradients<T>(in, grads);
+  // The sink s takes weight P_i,sink = exp(s - lse_i) and gives no value (dP_i,sink = 0), so
+  // dZ_i,sink = -P_i,sink D_i.
+  if (rule.sink) {
+    for (Index i = 0; i < n; ++i) {
+      if (lse(i) != neg_inf) grads.dsink -= std::exp(*rule.sink - lse(i)) * store.D(i);
+    }
+  }
+}
+
+}  // namespace detail
+}  // namespace attn
