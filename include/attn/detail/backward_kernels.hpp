@@ -57,8 +57,8 @@ void forward_for_backward(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const Sco
   if (path == Path::Tiled) {
     flash_kernel<T>(Q, K, V, rule, FlashTiles{}, O, lse.data());
   } else {
-    Matrix<T> P;
-    materialised_kernel<T>(Q, K, V, rule, P, O, lse.data());
+    static thread_local Matrix<T> weights;  // this thread's n x m table, reused between calls
+    materialised_kernel<T>(Q, K, V, rule, weights, O, lse.data());
   }
 }
 
