@@ -138,11 +138,8 @@ void attention_backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<
   using T = typename DQ::Scalar;
   detail::check_backward("attention_backward", Q, K, V, dO, options);
   const detail::ScoreRule<T> rule = detail::make_rule(options, Q.rows(), K.rows(), Q.cols());
-  const detail::Path path = detail::backward_path(rule, Q.cols(), V.cols());
-  Matrix<T> O(Q.rows(), V.cols());
-  Vector<T> lse(Q.rows());
-  detail::forward_for_backward<T>(Q, K, V, rule, path, O, lse);
-  detail::backward_kernel<T>(Q, K, V, O, lse, dO, rule, path, BackwardTiles{}, grads);
+  detail::forward_and_backward<T>(
+      Q, K, V, dO, rule, detail::backward_path(rule, Q.cols(), V.cols()), BackwardTiles{}, grads);
 }
 
 /// Gradients of attention (see the overload writing into caller storage).
@@ -168,16 +165,10 @@ AttentionGrads<typename DQ::Scalar> flash_attention_backward(
     const BackwardTiles& tiles = {}) {
   using T = typename DQ::Scalar;
   detail::check_backward("flash_attention_backward", Q, K, V, dO, options);
-  if (tiles.query_rows < 1 || tiles.key_cols < 1) {
-    detail::fail("flash_attention_backward", "tile sizes must be at least 1, got ",
-                 tiles.query_rows, " x ", tiles.key_cols);
-  }
+  detail::require_tiles("flash_attention_backward", tiles);
   const detail::ScoreRule<T> rule = detail::make_rule(options, Q.rows(), K.rows(), Q.cols());
-  Matrix<T> O(Q.rows(), V.cols());
-  Vector<T> lse(Q.rows());
-  detail::forward_for_backward<T>(Q, K, V, rule, detail::Path::Tiled, O, lse);
   AttentionGrads<T> grads;
-  detail::backward_kernel<T>(Q, K, V, O, lse, dO, rule, detail::Path::Tiled, tiles, grads);
+  detail::forward_and_backward<T>(Q, K, V, dO, rule, detail::Path::Tiled, tiles, grads);
   return grads;
 }
 

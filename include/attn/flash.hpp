@@ -159,7 +159,9 @@ void flash_kernel(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T
   });
 }
 
-inline void require_tiles(const char* function, const FlashTiles& tiles) {
+/// Tile sizes (`FlashTiles`, `BackwardTiles`) must be at least 1.
+template <class Tiles>
+void require_tiles(const char* function, const Tiles& tiles) {
   if (tiles.query_rows < 1 || tiles.key_cols < 1) {
     fail(function, "tile sizes must be at least 1, got ", tiles.query_rows, " x ", tiles.key_cols);
   }

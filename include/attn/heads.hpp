@@ -381,6 +381,20 @@ void heads_backward_kernel(const Tensor3<T>& Q, const Tensor3<T>& K, const Tenso
   }
 }
 
+/// `attention_heads_backward` (both forms), checks included: O and lse null when the forward
+/// runs again.
+template <class T>
+void heads_backward(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
+                    const Tensor3<T>* O, const Matrix<T>* lse, const Tensor3<T>& dO,
+                    const AttentionOptions<T>& options, const HeadOptions<T>& per_head,
+                    HeadGrads<T>& grads) {
+  const char* function = "attention_heads_backward";
+  check_heads(function, Q, K, V, options, per_head);
+  check_heads_backward<T>(function, Q, V, dO, O, lse);
+  const ScoreRule<T> shared = make_rule(options, Q.dimension(1), K.dimension(1), Q.dimension(2));
+  heads_backward_kernel<T>(Q, K, V, O, lse, dO, shared, per_head, grads);
+}
+
 }  // namespace detail
 
 /// Gradients of `attention_heads`: runs the forward of each head again (keeping its output and
@@ -407,12 +421,7 @@ void attention_heads_backward(const Tensor3<T>& Q, const Tensor3<T>& K, const Te
                               const AttentionOptions<detail::identity_t<T>>& options,
                               const HeadOptions<detail::identity_t<T>>& per_head,
                               HeadGrads<T>& grads) {
-  const char* function = "attention_heads_backward";
-  detail::check_heads(function, Q, K, V, options, per_head);
-  detail::check_heads_backward<T>(function, Q, V, dO, nullptr, nullptr);
-  const detail::ScoreRule<T> shared =
-      detail::make_rule(options, Q.dimension(1), K.dimension(1), Q.dimension(2));
-  detail::heads_backward_kernel<T>(Q, K, V, nullptr, nullptr, dO, shared, per_head, grads);
+  detail::heads_backward<T>(Q, K, V, nullptr, nullptr, dO, options, per_head, grads);
 }
 
 /// Gradients of `attention_heads` (see the overload writing into caller storage).
@@ -440,12 +449,7 @@ void attention_heads_backward(const Tensor3<T>& Q, const Tensor3<T>& K, const Te
                               const AttentionOptions<detail::identity_t<T>>& options,
                               const HeadOptions<detail::identity_t<T>>& per_head,
                               HeadGrads<T>& grads) {
-  const char* function = "attention_heads_backward";
-  detail::check_heads(function, Q, K, V, options, per_head);
-  detail::check_heads_backward<T>(function, Q, V, dO, &O, &log_sum_exp);
-  const detail::ScoreRule<T> shared =
-      detail::make_rule(options, Q.dimension(1), K.dimension(1), Q.dimension(2));
-  detail::heads_backward_kernel<T>(Q, K, V, &O, &log_sum_exp, dO, shared, per_head, grads);
+  detail::heads_backward<T>(Q, K, V, &O, &log_sum_exp, dO, options, per_head, grads);
 }
 
 /// Gradients of `attention_heads` from the forward's output and log-sum-exp (see the overload

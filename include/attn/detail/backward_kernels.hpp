@@ -414,5 +414,16 @@ void backward_kernel(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, ConstRef<T> O,
   }
 }
 
+/// The forward on `path` (its output and log-sum-exp kept), then the backward on the same path.
+template <class T>
+void forward_and_backward(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, ConstRef<T> dO,
+                          const ScoreRule<T>& rule, Path path, const BackwardTiles& tiles,
+                          AttentionGrads<T>& grads) {
+  Matrix<T> O(Q.rows(), V.cols());
+  Vector<T> lse(Q.rows());
+  forward_for_backward<T>(Q, K, V, rule, path, O, lse);
+  backward_kernel<T>(Q, K, V, O, lse, dO, rule, path, tiles, grads);
+}
+
 }  // namespace detail
 }  // namespace attn
