@@ -6,6 +6,10 @@
 // the same threads). The ratio of the two is the fraction of the bandwidth a decoding step
 // achieves.
 //   build/bench/attn_decode_bench --benchmark_counters_tabular=true
+// BM_decode_stored is the same step with the cache's keys and values in float16, bfloat16 or int8
+// (`KVCacheConfig::storage`, the second argument: 1, 2, 3), its bytes_per_second counting the
+// bytes it streams (`KVCache::bytes()`). bench/compare_decode.py runs them all in one run and
+// prints each format's speed-up over the float step and its fraction of the bandwidth.
 // BM_decode_naive is the plain-loop baseline (scores, softmax, weighted sum per query head). Both
 // write into an output allocated before the timing (`attend`'s caller-storage overload).
 
@@ -30,20 +34,21 @@ std::int64_t kv_bytes(Index tokens) {
          static_cast<std::int64_t>(sizeof(float));
 }
 
-attn::KVCache<float> filled_cache(Index tokens) {
+attn::KVCache<float> filled_cache(Index tokens, attn::KVStorage storage = attn::KVStorage::Same) {
   attn::KVCacheConfig<float> config;
   config.d_k = head_dim;
   config.d_v = head_dim;
   config.kv_heads = kv_heads;
+  config.storage = storage;
   attn::KVCache<float> cache(config);
   cache.append(attn_bench::random_matrix<float>(tokens, kv_heads * head_dim, 1),
                attn_bench::random_matrix<float>(tokens, kv_heads * head_dim, 2));
   return cache;
 }
 
-void BM_decode_step(benchmark::State& state) {
-  const Index tokens = state.range(0);
-  const attn::KVCache<float> cache = filled_cache(tokens);
+/// Times one decoding step over `cache` (1 query, every query head) and counts the bytes it
+/// streams (`KVCache::bytes()`: K and V of every key/value head in the cache's format).
+void time_steps(benchmark::State& state, const attn::KVCache<float>& cache) {
   const attn::Matrix<float> q = attn_bench::random_matrix<float>(1, query_heads * head_dim, 3);
   attn::Matrix<float> out = attn::Matrix<float>::Zero(1, query_heads * head_dim);
   const attn::AttentionOptions<float> options;
@@ -52,13 +57,22 @@ void BM_decode_step(benchmark::State& state) {
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(state.iterations() * kv_bytes(tokens));
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(cache.bytes()));
   state.counters["threads"] = attn::num_threads();
+}
+
+void BM_decode_step(benchmark::State& state) {
+  const Index tokens = state.range(0);
+  time_steps(state, filled_cache(tokens));
   // 2 GEMVs of tokens x d per query head: 4 tokens d flops each.
   state.counters["flops"] = benchmark::Counter(static_cast<double>(state.iterations()) * 4.0 *
                                                    static_cast<double>(tokens) *
                                                    static_cast<double>(head_dim * query_heads),
                                                benchmark::Counter::kIsRate);
+}
+
+void BM_decode_stored(benchmark::State& state) {
+  time_steps(state, filled_cache(state.range(0), static_cast<attn::KVStorage>(state.range(1))));
 }
 
 void BM_decode_naive(benchmark::State& state) {
@@ -127,6 +141,11 @@ BENCHMARK(BM_decode_step)
     ->Arg(4096)
     ->Arg(16384)
     ->ArgNames({"tokens"})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK(BM_decode_stored)
+    ->ArgsProduct({{1024, 4096, 16384}, {1, 2, 3}})
+    ->ArgNames({"tokens", "storage"})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 BENCHMARK(BM_decode_naive)

@@ -21,7 +21,7 @@ namespace {
 
 using attn::Index;
 using Md = attn::Matrix<double>;
-constexpr double inf = std::numeric_limits<double>::infinity();
+constexpr double infinity = std::numeric_limits<double>::infinity();
 constexpr double nan_value = std::numeric_limits<double>::quiet_NaN();
 
 template <class T>
@@ -139,8 +139,8 @@ std::vector<OptionCase> option_cases() {
   };
   const auto random_bias = [](O& o, std::mt19937& rng, Index n, Index m) {
     Md bias = attn_test::random_matrix<double>(n, m, rng);
-    bias(0, 2) = -inf;  // a -inf bias masks
-    bias(3, 0) = -inf;
+    bias(0, 2) = -infinity;  // a -inf bias masks
+    bias(3, 0) = -infinity;
     o.bias = bias;
   };
   return {
@@ -252,7 +252,7 @@ TEST(BackwardGradcheck, EveryOptionOnBothPaths) {
 TEST(BackwardGradcheck, SoftmaxRowsBackward) {
   std::mt19937 rng(7);
   Md S = attn_test::random_matrix<double>(4, 6, rng, 2.0);
-  S(1, 3) = -inf;
+  S(1, 3) = -infinity;
   const Md G = attn_test::random_matrix<double>(4, 6, rng);
   const auto loss = [&](const std::vector<Md>& x) {
     return (attn::softmax_rows(x[0]).array() * G.array()).sum();

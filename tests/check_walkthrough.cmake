@@ -74,6 +74,16 @@ expect("causal row 1 weights" "[1.0000, 0, 0]")
 expect("causal row 2 weights" "[0.3302, 0.6698, 0]")
 expect("causal output 1" "= [1.0000, 0.0000]")
 expect("causal output 2" "= [0.3302, 0.6698]")
+# Decoding through a KVCache gives the causal rows: step 1 sees only token 1 (output V_1 = [1, 0]),
+# step 2 the first two ([0.3302, 0.6698] as above).
+expect("decode step 1" "Step 1: cache of 1 token → output [1.0000, 0.0000]")
+expect("decode step 2" "Step 2: cache of 2 tokens → output [0.3302, 0.6698]")
+# A 32k-token cache of 32 layers, 8 key/value heads of d = 128: per token and layer
+# 8 * (128 + 128) values. float: 2048 * 4 bytes * 32768 * 32 = 8 GiB; 16-bit: 4 GiB; int8:
+# 8 * (256 + 2 * 4) = 2112 bytes per token and layer, * 32768 * 32 = 2.0625 GiB.
+expect("32k cache float" "float (KVStorage::Same)                    8.00 GiB")
+expect("32k cache float16" "KVStorage::Float16                         4.00 GiB")
+expect("32k cache int8" "KVStorage::Int8 (+ one scale per row)      2.06 GiB")
 
 # Part 4: the second document's nn.MultiheadAttention(embed_dim=512, num_heads=8) on x of shape
 # (2, 10, 512). 4 * 512 * 512 + 4 * 512 = 1048576 + 2048 = 1050624; 512 / 8 = 64.

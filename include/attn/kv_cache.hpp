@@ -41,6 +41,8 @@ struct KVCacheConfig {
                                   ///< its absolute position
   RopeOptions<T> rope_options;    ///< base, rotary_dim, linear_scale, ntk_scale or YaRN of that
                                   ///< rotation (YaRN's attention factor scales keys and queries)
+  KVStorage storage = KVStorage::Same;  ///< the format keys and values are kept in: encoded at
+                                        ///< append (after RoPE), widened to T in the kernels
 };
 
 /// Keys and values of a growing sequence, for autoregressive decoding, and attention over them.
@@ -62,16 +64,13 @@ class KVCache {
   /// \param window  keep only what a window of w keys needs
   /// \throws shape_error if d_k or d_v < 1 or window < 0.
   KVCache(Index d_k, Index d_v, std::optional<Index> window = {})
-      : KVCache(KVCacheConfig<T>{d_k, d_v, 1, window, 0, std::nullopt, {}}) {}
+      : KVCache(KVCacheConfig<T>{d_k, d_v, 1, window, 0, std::nullopt, {}, KVStorage::Same}) {}
 
   /// A cache with every option (see `KVCacheConfig`).
   /// \throws shape_error on a non-positive width or head count, a negative window or pinned
   ///         count, or invalid rope options.
   explicit KVCache(const KVCacheConfig<T>& config)
-      : config_(config),
-        store_(KVStoreShape{config.d_k, config.d_v, config.kv_heads, config.window,
-                            config.pinned_tokens},
-               "KVCache") {
+      : config_(config), store_(store_shape(config), "KVCache") {
     config_.pinned_tokens = store_.shape().pinned_tokens;
     if (config_.rope) {
       rope_table_ = detail::rope_table("KVCache", config_.d_k, config_.rope_options);
@@ -89,6 +88,17 @@ class KVCache {
   Index position() const { return store_.position(); }
   /// Rows allocated per key/value head: the memory bound.
   Index capacity() const { return store_.capacity(); }
+
+  /// Bytes of the stored keys and values: every allocated row (see `capacity`) of every key/value
+  /// head, in the cache's `storage` format, int8 scales included.
+  Index bytes() const { return store_.bytes(); }
+  /// The bytes `tokens` kept rows take in a cache of this configuration: what `bytes()` reports
+  /// after one append of `tokens` rows to such a cache without a window. Per token and key/value
+  /// head: (d_k + d_v) sizeof(T) with `Same`, 2 (d_k + d_v) with Float16 or BFloat16,
+  /// d_k + d_v + 2 sizeof(T) with Int8.
+  static Index bytes_for(const KVCacheConfig<T>& config, Index tokens) {
+    return KVStore<T>::bytes_for(store_shape(config), tokens);
+  }
 
   /// Forgets every row (and releases the storage).
   void clear() { store_.clear(); }
@@ -231,6 +241,11 @@ class KVCache {
   std::vector<Index> key_positions() const { return store_.positions(); }
 
  private:
+  static KVStoreShape store_shape(const KVCacheConfig<T>& config) {
+    return KVStoreShape{config.d_k,    config.d_v,           config.kv_heads,
+                        config.window, config.pinned_tokens, config.storage};
+  }
+
   void require_head(const char* function, Index kv_head) const {
     if (kv_head < 0 || kv_head >= config_.kv_heads) {
       detail::fail(function, "kv_head must be in 0 .. ", config_.kv_heads - 1, ", got ", kv_head);
@@ -316,6 +331,15 @@ class KVCache {
   /// and the two partial results are merged by log-sum-exp, the sink added once.
   void attend_rows(detail::ConstRef<T> Q, Index heads, const AttentionOptions<T>& options,
                    const HeadOptions<T>& per_head, Index first, Matrix<T>& out) const {
+    detail::with_codec<T>(config_.storage, [&](auto codec) {
+      attend_stored<decltype(codec)>(Q, heads, options, per_head, first, out);
+    });
+  }
+
+  /// `attend_rows` over keys and values stored by `Codec` (detail/stored.hpp).
+  template <class Codec>
+  void attend_stored(detail::ConstRef<T> Q, Index heads, const AttentionOptions<T>& options,
+                     const HeadOptions<T>& per_head, Index first, Matrix<T>& out) const {
     const Index n = Q.rows();
     if (n == 0) return;
     const Index d_k = config_.d_k;
@@ -350,9 +374,13 @@ class KVCache {
       detail::heads_kernel<T>(
           heads, group, only_pinned ? pinned_block(rule) : recent_block(rule), per_head, d_k, d_v,
           q,
-          [&](Index kv) { return only_pinned ? store_.pinned_keys(kv) : store_.recent_keys(kv); },
           [&](Index kv) {
-            return only_pinned ? store_.pinned_values(kv) : store_.recent_values(kv);
+            return only_pinned ? store_.template pinned_keys_as<Codec>(kv)
+                               : store_.template recent_keys_as<Codec>(kv);
+          },
+          [&](Index kv) {
+            return only_pinned ? store_.template pinned_values_as<Codec>(kv)
+                               : store_.template recent_values_as<Codec>(kv);
           },
           o, stacked_q, stacked_o);
       return;
@@ -368,10 +396,12 @@ class KVCache {
       s.lse_pinned.resize(n);
       s.lse.resize(n);
       Eigen::Ref<Matrix<T>> o_h = out.middleCols(h * d_v, d_v);
-      detail::run_path<T>(detail::choose_path(a, d_k, d_v, false), q(h), store_.pinned_keys(kv),
-                          store_.pinned_values(kv), a, s.path, s.o_pinned, s.lse_pinned.data());
-      detail::run_path<T>(detail::choose_path(b, d_k, d_v, false), q(h), store_.recent_keys(kv),
-                          store_.recent_values(kv), b, s.path, o_h, s.lse.data());
+      detail::run_path<T>(
+          detail::choose_path(a, d_k, d_v, false), q(h), store_.template pinned_keys_as<Codec>(kv),
+          store_.template pinned_values_as<Codec>(kv), a, s.path, s.o_pinned, s.lse_pinned.data());
+      detail::run_path<T>(
+          detail::choose_path(b, d_k, d_v, false), q(h), store_.template recent_keys_as<Codec>(kv),
+          store_.template recent_values_as<Codec>(kv), b, s.path, o_h, s.lse.data());
       for (Index i = 0; i < n; ++i) {
         detail::merge_partial<T>(o_h.row(i), s.lse(i), s.o_pinned.row(i), s.lse_pinned(i));
         detail::merge_sink<T>(o_h.row(i), s.lse(i), sink);

@@ -9,6 +9,7 @@
 #include <optional>
 #include <vector>
 
+#include "detail/stored.hpp"
 #include "error.hpp"
 #include "types.hpp"
 
@@ -21,6 +22,7 @@ struct KVStoreShape {
   Index kv_heads = 1;           ///< key/value heads stored
   std::optional<Index> window;  ///< w >= 0: keep what a window of w keys before a query needs
   Index pinned_tokens = 0;      ///< with a window: the first k positions are kept forever
+  KVStorage storage = KVStorage::Same;  ///< the format rows are kept in (encoded at append)
 };
 
 /// Keys and values of a growing sequence, by key/value head.
@@ -33,7 +35,9 @@ struct KVStoreShape {
 /// Memory per key/value head: without a window, every row (capacity doubles as needed); with a
 /// window w, the pinned rows plus a ring of R = w + (largest append) rows, stored twice (each row is
 /// written at slots s and s + R, so that the last R rows are always one contiguous block):
-/// `pinned_tokens + 2 (w + largest append)` rows, whatever the sequence length.
+/// `pinned_tokens + 2 (w + largest append)` rows, whatever the sequence length. Each row takes
+/// `d sizeof(T)` bytes with `KVStorage::Same`, `2 d` with Float16 or BFloat16, `d + sizeof(T)` with
+/// Int8 (its scale); `bytes()` is the total.
 template <class T>
 class KVStore {
  public:
@@ -63,6 +67,21 @@ class KVStore {
   Index position() const { return total_; }
   /// Rows allocated per key/value head (pinned rows + ring or linear storage): the memory bound.
   Index capacity() const { return shape_.pinned_tokens + K_.front().rows(); }
+  /// Bytes of the stored keys and values (every allocated row, int8 scales included).
+  Index bytes() const {
+    Index total = 0;
+    for (const auto* blocks : {&K_, &V_, &pinned_K_, &pinned_V_}) {
+      for (const detail::StoredRows<T>& b : *blocks) total += b.bytes();
+    }
+    return total;
+  }
+  /// The bytes `tokens` kept rows take in a store of this shape (keys and values of every head):
+  /// what `bytes()` reports after one append of `tokens` rows to a store without a window.
+  static Index bytes_for(const KVStoreShape& shape, Index tokens) {
+    const Index scale = shape.storage == KVStorage::Int8 ? 2 * Index(sizeof(T)) : 0;
+    return tokens * shape.kv_heads *
+           ((shape.d_k + shape.d_v) * detail::element_bytes<T>(shape.storage) + scale);
+  }
   /// Pinned rows kept (positions 0 .. pinned_held() - 1).
   Index pinned_held() const { return std::min(total_, shape_.pinned_tokens); }
   /// Recent rows kept (positions first_recent() .. position() - 1).
@@ -77,10 +96,11 @@ class KVStore {
   /// Forgets every row (and releases the storage).
   void clear() {
     const auto heads = static_cast<std::size_t>(shape_.kv_heads);
-    K_.assign(heads, Matrix<T>(0, shape_.d_k));
-    V_.assign(heads, Matrix<T>(0, shape_.d_v));
-    pinned_K_.assign(heads, Matrix<T>(shape_.pinned_tokens, shape_.d_k));
-    pinned_V_.assign(heads, Matrix<T>(shape_.pinned_tokens, shape_.d_v));
+    const KVStorage format = shape_.storage;
+    K_.assign(heads, detail::StoredRows<T>(format, 0, shape_.d_k));
+    V_.assign(heads, detail::StoredRows<T>(format, 0, shape_.d_v));
+    pinned_K_.assign(heads, detail::StoredRows<T>(format, shape_.pinned_tokens, shape_.d_k));
+    pinned_V_.assign(heads, detail::StoredRows<T>(format, shape_.pinned_tokens, shape_.d_v));
     ring_ = 0;
     total_ = 0;
   }
@@ -111,34 +131,55 @@ class KVStore {
       const Index hv = static_cast<Index>(h) * shape_.d_v;
       for (Index i = 0; i < r; ++i) {
         const Index p = total_ + i;
+        const T* k_row = K_new.data() + i * K_new.outerStride() + hk;
+        const T* v_row = V_new.data() + i * V_new.outerStride() + hv;
         if (p < shape_.pinned_tokens) {
-          pinned_K_[h].row(p) = K_new.row(i).segment(hk, shape_.d_k);
-          pinned_V_[h].row(p) = V_new.row(i).segment(hv, shape_.d_v);
+          pinned_K_[h].put(p, k_row);
+          pinned_V_[h].put(p, v_row);
         } else {
-          store(h, p - shape_.pinned_tokens, K_new.row(i).segment(hk, shape_.d_k),
-                V_new.row(i).segment(hv, shape_.d_v));
+          store(h, p - shape_.pinned_tokens, k_row, v_row);
         }
       }
     }
     total_ += r;
   }
 
-  /// A view of rows of a stored row-major block.
+  /// A view of rows of a stored row-major block of T.
   using View = Eigen::Map<const Matrix<T>>;
 
-  /// The pinned keys of key/value head h: pinned_held() x d_k.
+  /// The pinned keys of key/value head h: pinned_held() x d_k (`KVStorage::Same` only; any
+  /// format: `keys`, or the kernels' `pinned_keys_as`).
   View pinned_keys(Index h) const { return rows(pinned_K_[at(h)], 0, pinned_held()); }
-  /// The pinned values of key/value head h: pinned_held() x d_v.
+  /// The pinned values of key/value head h: pinned_held() x d_v (`Same` only).
   View pinned_values(Index h) const { return rows(pinned_V_[at(h)], 0, pinned_held()); }
-  /// The recent keys of key/value head h, oldest first: recent_held() x d_k.
+  /// The recent keys of key/value head h, oldest first: recent_held() x d_k (`Same` only).
   View recent_keys(Index h) const { return rows(K_[at(h)], recent_start(), recent_held()); }
-  /// The recent values of key/value head h, oldest first: recent_held() x d_v.
+  /// The recent values of key/value head h, oldest first: recent_held() x d_v (`Same` only).
   View recent_values(Index h) const { return rows(V_[at(h)], recent_start(), recent_held()); }
 
-  /// The kept keys of head h, pinned rows first: size() x d_k (a copy).
-  Matrix<T> keys(Index h) const { return joined(pinned_keys(h), recent_keys(h)); }
-  /// The kept values of head h, pinned rows first: size() x d_v (a copy).
-  Matrix<T> values(Index h) const { return joined(pinned_values(h), recent_values(h)); }
+  /// The four blocks as the kernels read them, for the store's own format `Codec`
+  /// (detail/stored.hpp): `View`s for `Same`, `detail::StoredBlock`s otherwise.
+  template <class Codec>
+  auto pinned_keys_as(Index h) const {
+    return block<Codec>(pinned_K_[at(h)], 0, pinned_held());
+  }
+  template <class Codec>
+  auto pinned_values_as(Index h) const {
+    return block<Codec>(pinned_V_[at(h)], 0, pinned_held());
+  }
+  template <class Codec>
+  auto recent_keys_as(Index h) const {
+    return block<Codec>(K_[at(h)], recent_start(), recent_held());
+  }
+  template <class Codec>
+  auto recent_values_as(Index h) const {
+    return block<Codec>(V_[at(h)], recent_start(), recent_held());
+  }
+
+  /// The kept keys of head h, pinned rows first, widened to T: size() x d_k (a copy).
+  Matrix<T> keys(Index h) const { return joined(pinned_K_[at(h)], K_[at(h)]); }
+  /// The kept values of head h, pinned rows first, widened to T: size() x d_v (a copy).
+  Matrix<T> values(Index h) const { return joined(pinned_V_[at(h)], V_[at(h)]); }
 
   /// The absolute position of each kept row, pinned rows first.
   std::vector<Index> positions() const {
@@ -156,15 +197,40 @@ class KVStore {
     return static_cast<std::size_t>(h);
   }
 
-  static View rows(const Matrix<T>& storage, Index first, Index count) {
-    return View(storage.data() + first * storage.cols(), count, storage.cols());
+  View rows(const detail::StoredRows<T>& storage, Index first, Index count) const {
+    if (shape_.storage != KVStorage::Same) {
+      detail::fail("KVStore", "the views of rows need KVStorage::Same; this store keeps ",
+                   detail::storage_name(shape_.storage), " (keys() and values() widen a copy)");
+    }
+    return View(storage.same().data() + first * storage.cols(), count, storage.cols());
   }
 
-  static Matrix<T> joined(const View& a, const View& b) {
-    Matrix<T> out(a.rows() + b.rows(), a.cols());
+  template <class Codec>
+  static auto block(const detail::StoredRows<T>& storage, Index first, Index count) {
+    if constexpr (std::is_same_v<Codec, detail::SameCodec<T>>) {
+      return View(storage.same().data() + first * storage.cols(), count, storage.cols());
+    } else {
+      return storage.template block<Codec>(first, count);
+    }
+  }
+
+  /// The pinned rows then the recent rows of one head's pinned and recent storage, widened.
+  Matrix<T> joined(const detail::StoredRows<T>& pinned, const detail::StoredRows<T>& recent) const {
+    Matrix<T> a, b;
+    detail::with_codec<T>(shape_.storage, [&](auto codec) {
+      using Codec = decltype(codec);
+      widen_block(block<Codec>(pinned, 0, pinned_held()), a);
+      widen_block(block<Codec>(recent, recent_start(), recent_held()), b);
+    });
+    Matrix<T> out(a.rows() + b.rows(), pinned.cols());
     out.topRows(a.rows()) = a;
     out.bottomRows(b.rows()) = b;
     return out;
+  }
+  static void widen_block(const View& v, Matrix<T>& out) { out = v; }
+  template <class Codec>
+  static void widen_block(const detail::StoredBlock<Codec, T>& v, Matrix<T>& out) {
+    v.widen_into(out);
   }
 
   // Positions < k (= pinned_tokens, only with a window) live in pinned_K_/pinned_V_; the others
@@ -182,36 +248,49 @@ class KVStore {
     const Index kept = recent_held();
     const Index first = recent_total() - kept;  // recent index of the first kept row
     for (std::size_t h = 0; h < K_.size(); ++h) {
-      const Matrix<T> old_K = K_[h].middleRows(start, kept);
-      const Matrix<T> old_V = V_[h].middleRows(start, kept);
-      K_[h].resize(new_rows, shape_.d_k);
-      V_[h].resize(new_rows, shape_.d_v);
+      const detail::StoredRows<T> old_K = std::move(K_[h]);
+      const detail::StoredRows<T> old_V = std::move(V_[h]);
+      K_[h] = detail::StoredRows<T>(shape_.storage, new_rows, shape_.d_k);
+      V_[h] = detail::StoredRows<T>(shape_.storage, new_rows, shape_.d_v);
       ring_ = new_ring;
-      for (Index i = 0; i < kept; ++i) store(h, first + i, old_K.row(i), old_V.row(i));
+      for (Index i = 0; i < kept; ++i) {
+        const Slots at = slots(first + i);
+        for (const Index slot : {at.first, at.second}) {
+          if (slot < 0) continue;
+          K_[h].copy_row(slot, old_K, start + i);
+          V_[h].copy_row(slot, old_V, start + i);
+        }
+      }
     }
     ring_ = new_ring;
   }
 
-  /// Writes recent row q (position k + q) of head h.
-  template <class RK, class RV>
-  void store(std::size_t h, Index q, const RK& k_row, const RV& v_row) {
-    if (shape_.window) {
-      const Index slot = q % ring_;
-      K_[h].row(slot) = k_row;
-      K_[h].row(slot + ring_) = k_row;
-      V_[h].row(slot) = v_row;
-      V_[h].row(slot + ring_) = v_row;
-    } else {
-      K_[h].row(q) = k_row;
-      V_[h].row(q) = v_row;
+  /// The storage rows of recent row q (position k + q): q without a window; in the ring, slot
+  /// q % R and again slot q % R + R.
+  struct Slots {
+    Index first, second;  ///< second < 0: none
+  };
+  Slots slots(Index q) const {
+    if (!shape_.window) return {q, -1};
+    return {q % ring_, q % ring_ + ring_};
+  }
+
+  /// Writes recent row q (position k + q) of head h (encoded once, copied to its second slot).
+  void store(std::size_t h, Index q, const T* k_row, const T* v_row) {
+    const Slots at = slots(q);
+    K_[h].put(at.first, k_row);
+    V_[h].put(at.first, v_row);
+    if (at.second >= 0) {
+      K_[h].copy_row(at.second, K_[h], at.first);
+      V_[h].copy_row(at.second, V_[h], at.first);
     }
   }
 
   KVStoreShape shape_;
-  std::vector<Matrix<T>> K_, V_;                ///< per key/value head: ring (2 R rows) or linear
-  std::vector<Matrix<T>> pinned_K_, pinned_V_;  ///< per key/value head: pinned_tokens rows
-  Index ring_ = 0;                              ///< R, the ring's length (with a window)
-  Index total_ = 0;                             ///< rows appended
+  std::vector<detail::StoredRows<T>> K_, V_;  ///< per key/value head: ring (2 R rows) or linear
+  std::vector<detail::StoredRows<T>> pinned_K_, pinned_V_;  ///< per key/value head: pinned rows
+  Index ring_ = 0;   ///< R, the ring's length (with a window)
+  Index total_ = 0;  ///< rows appended
 };
 
 }  // namespace attn

@@ -36,6 +36,11 @@ using Mask = Eigen::Array<bool, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>
 /// The two alignments agree when `n == m`.
 enum class Causal { None, TopLeft, BottomRight };
 
+/// How a `KVCache` stores its keys and values (compute and results stay in the cache's `T`):
+/// `Same` (T itself), IEEE `Float16`, `BFloat16`, or `Int8` with one scale per token and key/value
+/// head (symmetric: x ~ scale * q, q in -127 .. 127, scale = max |x| / 127 of that row).
+enum class KVStorage { Same, Float16, BFloat16, Int8 };
+
 /// How rotary position embedding pairs the features: (2i, 2i+1) or (i, i + d/2).
 enum class RopeStyle { Interleaved, Half };
 

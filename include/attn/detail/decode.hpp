@@ -12,6 +12,7 @@
 #include "../types.hpp"
 #include "online_softmax.hpp"
 #include "score_rule.hpp"
+#include "stored.hpp"
 
 namespace attn {
 namespace detail {
@@ -19,10 +20,11 @@ namespace detail {
 /// Working memory of `decode_kernel` (kept per thread by the caller).
 template <class T>
 struct DecodeScratch {
-  Matrix<T> q_scaled;      ///< g x d_k, the queries times the scale
-  Matrix<T> s;             ///< g x tile: scores, then unnormalised probabilities
-  OnlineSoftmax<T> state;  ///< g x d_v running output, running maxima and sums
-  Vector<T> alpha;         ///< rescale factor of each running output for the current tile
+  Matrix<T> q_scaled;        ///< g x d_k, the queries times the scale
+  Matrix<T> s;               ///< g x tile: scores, then unnormalised probabilities
+  OnlineSoftmax<T> state;    ///< g x d_v running output, running maxima and sums
+  Vector<T> alpha;           ///< rescale factor of each running output for the current tile
+  Matrix<T> k_wide, v_wide;  ///< a stored tile widened to T (widths that are not whole packets)
 };
 
 template <class T>
@@ -31,20 +33,22 @@ using DecodePacket = typename Eigen::internal::packet_traits<T>::type;
 template <class T>
 constexpr Index decode_lanes = Eigen::internal::unpacket_traits<DecodePacket<T>>::size;
 
-/// Asks for the cache lines of one row of `width` scalars ahead of its use.
-template <class T>
-EIGEN_STRONG_INLINE void prefetch_row(const T* row, Index width) {
-  constexpr Index line = 64 / Index(sizeof(T));
+/// Asks for the cache lines of one row of `width` elements ahead of its use.
+template <class E>
+EIGEN_STRONG_INLINE void prefetch_row(const E* row, Index width) {
+  constexpr Index line = 64 / Index(sizeof(E));
   for (Index c = 0; c < width; c += line) Eigen::internal::prefetch(row + c);
 }
 
 /// Scores of heads [h0, h0 + G) against keys [0, cols) of a tile: s(h, j) = q_h . K_j.
 /// Shape contract: q rows of d_k scalars (d_k a multiple of the packet size), K_tile rows of
-/// k_stride. Each key row is loaded once per packet and multiplied into the G accumulators.
-template <class T, std::size_t... h>
+/// k_stride elements stored by `Codec` (with `k_scales` for Int8). Each key row is loaded once per
+/// packet, widened in registers and multiplied into the G accumulators.
+template <class T, class Codec, std::size_t... h>
 EIGEN_STRONG_INLINE void decode_scores(std::index_sequence<h...>, const T* q, Index q_stride,
-                                       const T* K_tile, Index k_stride, Index cols, Index d_k, T* s,
-                                       Index s_stride, const T* prefetch, Index prefetch_rows) {
+                                       const typename Codec::Bits* K_tile, const T* k_scales,
+                                       Index k_stride, Index cols, Index d_k, T* s, Index s_stride,
+                                       const typename Codec::Bits* prefetch, Index prefetch_rows) {
   using Packet = DecodePacket<T>;
   constexpr Index lanes = decode_lanes<T>;
   constexpr std::size_t G = sizeof...(h);
@@ -53,25 +57,31 @@ EIGEN_STRONG_INLINE void decode_scores(std::index_sequence<h...>, const T* q, In
   using Eigen::internal::predux;
   using Eigen::internal::pset1;
   for (Index j = 0; j < cols; ++j) {
-    const T* k_j = K_tile + j * k_stride;
+    const typename Codec::Bits* k_j = K_tile + j * k_stride;
     if (j < prefetch_rows) prefetch_row(prefetch + j * k_stride, d_k);
     Packet acc[G];
     ((acc[h] = pset1<Packet>(T(0))), ...);
     for (Index c = 0; c < d_k; c += lanes) {
-      const Packet k = ploadu<Packet>(k_j + c);
+      const Packet k = load_stored<T, Codec>(k_j + c);
       ((acc[h] = pmadd(ploadu<Packet>(q + Index(h) * q_stride + c), k, acc[h])), ...);
     }
-    ((s[Index(h) * s_stride + j] = predux(acc[h])), ...);
+    if constexpr (has_row_scales<Codec>) {
+      ((s[Index(h) * s_stride + j] = k_scales[j] * predux(acc[h])), ...);
+    } else {
+      ((s[Index(h) * s_stride + j] = predux(acc[h])), ...);
+    }
   }
 }
 
 /// o_h = alpha_h o_h + sum_j p(h, j) V_j for heads [h0, h0 + G), over the columns [c0, c0 + C
 /// packets) of the output: the G x C packets of output stay in registers over the whole tile, each
-/// value packet is loaded once and multiplied into the G heads.
-template <class T, Index C, std::size_t... h>
+/// value packet is loaded (and widened) once and multiplied into the G heads. The int8 scales are
+/// already in p.
+template <class T, class Codec, Index C, std::size_t... h>
 EIGEN_STRONG_INLINE void decode_values(std::index_sequence<h...>, const T* p, Index p_stride,
-                                       const T* alpha, const T* V_tile, Index v_stride, Index cols,
-                                       T* o, Index o_stride, const T* prefetch, Index prefetch_rows,
+                                       const T* alpha, const typename Codec::Bits* V_tile,
+                                       Index v_stride, Index cols, T* o, Index o_stride,
+                                       const typename Codec::Bits* prefetch, Index prefetch_rows,
                                        Index d_v) {
   using Packet = DecodePacket<T>;
   constexpr Index lanes = decode_lanes<T>;
@@ -88,10 +98,10 @@ EIGEN_STRONG_INLINE void decode_values(std::index_sequence<h...>, const T* p, In
      ...);
   }
   for (Index j = 0; j < cols; ++j) {
-    const T* v_j = V_tile + j * v_stride;
+    const typename Codec::Bits* v_j = V_tile + j * v_stride;
     if (j < prefetch_rows) prefetch_row(prefetch + j * v_stride, d_v);
     for (Index c = 0; c < C; ++c) {
-      const Packet v = ploadu<Packet>(v_j + c * lanes);
+      const Packet v = load_stored<T, Codec>(v_j + c * lanes);
       ((acc[h][c] = pmadd(pset1<Packet>(p[Index(h) * p_stride + j]), v, acc[h][c])), ...);
     }
   }
@@ -100,10 +110,29 @@ EIGEN_STRONG_INLINE void decode_values(std::index_sequence<h...>, const T* p, In
   }
 }
 
+/// The stored elements of a block (Eigen blocks of T and `StoredBlock` alike).
+template <class Block>
+auto block_data(const Block& B) {
+  return B.data();
+}
+
+/// The per-row int8 scales of a block (null for everything else).
+template <class T, class Block>
+const T* block_scales(const Block& B) {
+  if constexpr (has_row_scales<codec_of_t<Block, T>>) {
+    return B.scales();
+  } else {
+    (void)B;
+    return nullptr;
+  }
+}
+
 /// One tile for the heads [h0, h0 + G): scores, online-softmax update, values.
-template <class T, std::size_t G>
-void decode_tile(Index h0, ConstRef<T> K, ConstRef<T> V, Index j0, Index cols,
+template <class T, std::size_t G, class KBlock, class VBlock>
+void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index cols,
                  const ScoreRule<T>& rule, DecodeScratch<T>& scratch) {
+  using KCodec = codec_of_t<KBlock, T>;
+  using VCodec = codec_of_t<VBlock, T>;
   constexpr Index lanes = decode_lanes<T>;
   constexpr Index chunk = 16 / Index(G) >= 4 ? 4 : 16 / Index(G);  // packets of output per pass
   const auto heads = std::make_index_sequence<G>();
@@ -115,33 +144,39 @@ void decode_tile(Index h0, ConstRef<T> K, ConstRef<T> V, Index j0, Index cols,
   // 1. Scores of the tile (each key row streamed once from memory for the G heads).
   T* s = scratch.s.data() + h0 * scratch.s.outerStride();
   const Index s_stride = scratch.s.outerStride();
-  decode_scores<T>(heads, scratch.q_scaled.data() + h0 * scratch.q_scaled.outerStride(),
-                   scratch.q_scaled.outerStride(), K.data() + j0 * K.outerStride(), K.outerStride(),
-                   cols, d_k, s, s_stride, K.data() + (j0 + cols) * K.outerStride(),
-                   h0 == 0 ? next_rows : 0);
+  const auto* K_tile = block_data(K) + j0 * K.outerStride();
+  const T* k_scales = block_scales<T>(K);
+  decode_scores<T, KCodec>(heads, scratch.q_scaled.data() + h0 * scratch.q_scaled.outerStride(),
+                           scratch.q_scaled.outerStride(), K_tile,
+                           k_scales ? k_scales + j0 : nullptr, K.outerStride(), cols, d_k, s,
+                           s_stride, K_tile + cols * K.outerStride(), h0 == 0 ? next_rows : 0);
   rule.apply_softcap(scratch.s.block(h0, 0, Index(G), cols));
 
   // 2. Online softmax (detail/online_softmax.hpp); the running output is rescaled by alpha in
-  //    step 3 (o' = alpha o + sum_j p_j V_j).
+  //    step 3 (o' = alpha o + sum_j p_j V_j). Int8 values: p_j times the row's scale.
   OnlineSoftmax<T>& state = scratch.state;
   for (Index h = h0; h < h0 + Index(G); ++h) {
     scratch.alpha(h) = online_softmax_step<T>(scratch.s.row(h).head(cols), state.m(h), state.l(h));
+  }
+  if constexpr (has_row_scales<VCodec>) {
+    const Eigen::Map<const RowVector<T>> v_scales(V.scales() + j0, cols);
+    scratch.s.block(h0, 0, Index(G), cols).array().rowwise() *= v_scales.array();
   }
 
   // 3. Values, `chunk` packets of output columns at a time (the tile's value rows stay in L1
   //    between the passes over the columns).
   const T* alpha = scratch.alpha.data() + h0;
   T* o = state.o.data() + h0 * state.o.outerStride();
-  const T* V_tile = V.data() + j0 * V.outerStride();
+  const auto* V_tile = block_data(V) + j0 * V.outerStride();
   Index c0 = 0;
   for (; c0 + chunk * lanes <= d_v; c0 += chunk * lanes) {
-    decode_values<T, chunk>(heads, s, s_stride, alpha, V_tile + c0, V.outerStride(), cols, o + c0,
-                            state.o.outerStride(), V_tile + cols * V.outerStride(),
-                            h0 == 0 && c0 == 0 ? next_rows : 0, d_v);
+    decode_values<T, VCodec, chunk>(heads, s, s_stride, alpha, V_tile + c0, V.outerStride(), cols,
+                                    o + c0, state.o.outerStride(), V_tile + cols * V.outerStride(),
+                                    h0 == 0 && c0 == 0 ? next_rows : 0, d_v);
   }
   for (; c0 < d_v; c0 += lanes) {
-    decode_values<T, 1>(heads, s, s_stride, alpha, V_tile + c0, V.outerStride(), cols, o + c0,
-                        state.o.outerStride(), V_tile, 0, d_v);
+    decode_values<T, VCodec, 1>(heads, s, s_stride, alpha, V_tile + c0, V.outerStride(), cols,
+                                o + c0, state.o.outerStride(), V_tile, 0, d_v);
   }
 }
 
@@ -151,15 +186,16 @@ bool decode_vectorised(Index d_k, Index d_v) {
   return d_k % decode_lanes<T> == 0 && d_v % decode_lanes<T> == 0;
 }
 
-/// One decoding step of the g query heads of a group over their key/value head.
+/// One decoding step of the g query heads of a group over their key/value head, the keys and
+/// values in any stored format (Eigen blocks of T, or `StoredBlock`s of detail/stored.hpp).
 /// Shape contract: q g x d_k (unscaled), K m x d_k, V m x d_v, o g x d_v, lse (optional) g
 /// entries; every row of K is visible to every query (the caller passes the visible range). Of
 /// the rule only the scale, softcap and sink are used. Passes, per tile of 64 keys and per 4
 /// (then 2, 1) query heads: scores (`decode_scores`), the online-softmax update, values
 /// (`decode_values`); finally o / l, guarded. Widths that are not whole packets go through
-/// Eigen's lazy products instead.
-template <class T>
-void decode_kernel(ConstRef<T> q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& rule,
+/// Eigen's lazy products instead (stored tiles widened first).
+template <class T, class KBlock, class VBlock>
+void decode_blocks(ConstRef<T> q, const KBlock& K, const VBlock& V, const ScoreRule<T>& rule,
                    DecodeScratch<T>& scratch, Eigen::Ref<Matrix<T>> o, T* lse) {
   constexpr Index tile = 64;
   const Index g = q.rows();
@@ -178,11 +214,37 @@ void decode_kernel(ConstRef<T> q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<
       continue;
     }
     Eigen::Ref<Matrix<T>> s = scratch.s.leftCols(cols);
-    s.noalias() = scratch.q_scaled.lazyProduct(K.middleRows(j0, cols).transpose());
-    rule.apply_softcap(s);
-    scratch.state.step(s, V.middleRows(j0, cols));
+    if constexpr (std::is_same_v<codec_of_t<KBlock, T>, SameCodec<T>>) {
+      s.noalias() = scratch.q_scaled.lazyProduct(K.middleRows(j0, cols).transpose());
+      rule.apply_softcap(s);
+      scratch.state.step(s, V.middleRows(j0, cols));
+    } else {
+      K.middleRows(j0, cols).widen_into(scratch.k_wide);
+      V.middleRows(j0, cols).widen_into(scratch.v_wide);
+      s.noalias() = scratch.q_scaled.lazyProduct(scratch.k_wide.transpose());
+      rule.apply_softcap(s);
+      scratch.state.step(s, scratch.v_wide);
+    }
   }
   scratch.state.finish(o, lse);
+}
+
+/// A block as the kernels take it: `StoredBlock`s as they are, Eigen expressions of T as one
+/// `ConstRef<T>` type (one instantiation of the kernels for all of them).
+template <class T, class Codec>
+const StoredBlock<Codec, T>& kernel_block(const StoredBlock<Codec, T>& B) {
+  return B;
+}
+template <class T>
+ConstRef<T> kernel_block(ConstRef<T> B) {
+  return B;
+}
+
+/// `decode_blocks` over keys and values of T.
+template <class T>
+void decode_kernel(ConstRef<T> q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& rule,
+                   DecodeScratch<T>& scratch, Eigen::Ref<Matrix<T>> o, T* lse) {
+  decode_blocks<T>(q, K, V, rule, scratch, o, lse);
 }
 
 }  // namespace detail

@@ -74,6 +74,7 @@ struct PathScratch {
   Matrix<T> P;              ///< the materialised path's n x m weights
   DecodeScratch<T> decode;  ///< the decoding kernel's state
   FlashScratch<T> flash;    ///< the tiled kernel's state (one block at a time)
+  Matrix<T> keys, values;   ///< stored keys and values widened to T (the paths other than decode)
 };
 
 /// Attention of one head by `rule` on `path`, inside a parallel loop (the tiled path then runs its
@@ -98,6 +99,23 @@ void run_path(Path path, ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const Scor
       flash_blocks<T>(Q, K, V, rule, FlashTiles{}, scratch.flash, O, lse);
       return;
   }
+}
+
+/// `run_path` over keys and values in a stored format (detail/stored.hpp): the decoding path
+/// widens them in its registers; the other paths run on a copy widened to T in `scratch`.
+template <class T, class Codec>
+void run_path(Path path, ConstRef<T> Q, const StoredBlock<Codec, T>& K,
+              const StoredBlock<Codec, T>& V, const ScoreRule<T>& rule, PathScratch<T>& scratch,
+              Eigen::Ref<Matrix<T>> O, T* lse) {
+  if (path == Path::Decode) {
+    const KeyRange keys = rule.keys(0);
+    decode_blocks<T>(Q, K.middleRows(keys.begin, keys.end - keys.begin),
+                     V.middleRows(keys.begin, keys.end - keys.begin), rule, scratch.decode, O, lse);
+    return;
+  }
+  K.widen_into(scratch.keys);
+  V.widen_into(scratch.values);
+  run_path<T>(path, Q, scratch.keys, scratch.values, rule, scratch, O, lse);
 }
 
 /// Keys per part when one decoding step is split over threads. A fixed number (not one derived
@@ -128,8 +146,9 @@ void decode_groups(Index groups, const ScoreRule<T>& rule, const QGroup& q, cons
   const Index parts = std::max<Index>(1, (m + decode_part_keys - 1) / decode_part_keys);
   if (parts == 1) {
     parallel_for<DecodeScratch<T>>(groups, [&](Index g, DecodeScratch<T>& scratch) {
-      decode_kernel<T>(q(g), k(g).middleRows(keys.begin, m), v(g).middleRows(keys.begin, m), rule,
-                       scratch, o(g), nullptr);
+      decode_blocks<T>(q(g), kernel_block<T>(k(g).middleRows(keys.begin, m)),
+                       kernel_block<T>(v(g).middleRows(keys.begin, m)), rule, scratch, o(g),
+                       nullptr);
     });
     return;
   }
@@ -151,8 +170,9 @@ void decode_groups(Index groups, const ScoreRule<T>& rule, const QGroup& q, cons
     const auto i = static_cast<std::size_t>(t);
     store.o[i].resize(q(g).rows(), v(g).cols());
     store.lse[i].resize(q(g).rows());
-    decode_kernel<T>(q(g), k(g).middleRows(j0, cols), v(g).middleRows(j0, cols), part_rule, scratch,
-                     store.o[i], store.lse[i].data());
+    decode_blocks<T>(q(g), kernel_block<T>(k(g).middleRows(j0, cols)),
+                     kernel_block<T>(v(g).middleRows(j0, cols)), part_rule, scratch, store.o[i],
+                     store.lse[i].data());
   });
   parallel_for<Vector<T>>(groups, [&](Index g, Vector<T>& lse) {
     const auto first = static_cast<std::size_t>(g * parts);

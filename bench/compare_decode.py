@@ -1,0 +1,107 @@
+#!/usr/bin/python3
+"""One decoding step with the cache in float, float16, bfloat16 and int8, in one run: issue 13's table.
+
+    python3 bench/compare_decode.py --build build                (one thread)
+    python3 bench/compare_decode.py --build build --threads 2
+    python3 bench/compare_decode.py --build build --quick        (smoke test)
+
+Runs build/bench/attn_decode_bench: BM_stream_sum (what the machine streams at all), then for each
+cache length (1k, 4k, 16k tokens; 32 query heads over 8 key/value heads, d = 128) BM_decode_step
+(float storage) and BM_decode_stored for each reduced format, in one process, --repetitions rounds
+(each case >= --min-time seconds per round), so that every ratio compares neighbours in time.
+Prints a markdown table: each format's median time, its speed-up over the float step (the median
+of the rounds' ratios), the bytes it streams (`KVCache::bytes()`), and its bandwidth as a fraction
+of BM_stream_sum's. Targets (at 16k tokens): float16 and bfloat16 at least 1.8x the float step,
+int8 at least 3x, each at 80% or more of the bandwidth for its bytes.
+
+Standard library only; run it with /usr/bin/python3.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import (compiler_and_flags, log, machine_line, markdown_table,  # noqa: E402
+                          require_binary, run_benchmarks, threads_env, verdict)
+
+FORMATS = [(0, "float (Same)"), (1, "Float16"), (2, "BFloat16"), (3, "Int8")]
+TARGET_SPEEDUP = {1: 1.8, 2: 1.8, 3: 3.0}
+TARGET_BANDWIDTH = 0.8
+TARGET_TOKENS = 16384
+
+
+def case_name(tokens, storage):
+    if storage == 0:
+        return "BM_decode_step/tokens:%d" % tokens
+    return "BM_decode_stored/tokens:%d/storage:%d" % (tokens, storage)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--build", default="build", help="the CMake build folder (Release)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--min-time", type=float, default=0.3, help="seconds per case and round")
+    parser.add_argument("--quick", action="store_true", help="one short round")
+    args = parser.parse_args()
+    script = "compare_decode.py"
+    binary = require_binary(args.build, "attn_decode_bench", script)
+    if args.quick:
+        args.repetitions, args.min_time = 1, 0.05
+    env = threads_env(args.threads)
+    token_counts = [1024, 4096, 16384]
+    names = ["BM_stream_sum"] + [case_name(t, s) for t in token_counts for s, _ in FORMATS]
+    rounds = []
+    for r in range(args.repetitions):
+        log("%s: round %d of %d" % (script, r + 1, args.repetitions))
+        rounds.append(run_benchmarks(binary, names, env, 1, args.min_time, warmup_s=0.1,
+                                     script=script)[0])
+
+    def median(name, key=None):
+        if key is None:
+            return statistics.median(r[name]["median_ms"] for r in rounds)
+        return statistics.median(r[name]["counters"][key] for r in rounds)
+
+    stream = median("BM_stream_sum", "bytes_per_second")
+    rows = []
+    all_met = True
+    for tokens in token_counts:
+        base = case_name(tokens, 0)
+        for storage, label in FORMATS:
+            name = case_name(tokens, storage)
+            speedup = statistics.median(r[base]["median_ms"] / r[name]["median_ms"]
+                                        for r in rounds)
+            bandwidth = median(name, "bytes_per_second")
+            fraction = bandwidth / stream
+            bytes_streamed = bandwidth * median(name) / 1e3
+            target = ""
+            if tokens == TARGET_TOKENS and storage in TARGET_SPEEDUP:
+                met = speedup >= TARGET_SPEEDUP[storage] and fraction >= TARGET_BANDWIDTH
+                all_met = all_met and met
+                target = "%s (>= %.1fx, >= %.0f%%)" % (verdict(met), TARGET_SPEEDUP[storage],
+                                                       100 * TARGET_BANDWIDTH)
+            rows.append([tokens, label, "%.1f" % (bytes_streamed / 2**20), "%.3f" % median(name),
+                         "%.2f" % speedup, "%.1f" % (bandwidth / 1e9),
+                         "%.0f%%" % (100 * fraction), target])
+
+    version, flags, build_type = compiler_and_flags(args.build, "attn_decode_bench",
+                                                    "decode_bench.cpp")
+    print("Machine: %s; %d thread(s); streamed bandwidth %.1f GB/s (BM_stream_sum, same run)" %
+          (machine_line(), args.threads, stream / 1e9))
+    print("Compiler: %s; %s build, %s" % (version, build_type, flags))
+    print("Command: python3 bench/compare_decode.py --build %s --threads %d" %
+          (args.build, args.threads))
+    print("Shape: 1 query, 32 query heads over 8 key/value heads, d = 128; medians of %d rounds" %
+          args.repetitions)
+    print()
+    header = ["tokens", "storage", "MiB streamed", "step ms", "speed-up over float", "GB/s",
+              "% of stream", "target"]
+    print("\n".join(markdown_table(header, rows, right=range(len(header) - 1))))
+    print()
+    print("Targets at %d tokens: %s" % (TARGET_TOKENS, verdict(all_met)))
+
+
+if __name__ == "__main__":
+    main()

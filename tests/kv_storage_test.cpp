@@ -1,0 +1,374 @@
+/// `KVCacheConfig::storage`: keys and values kept in float16, bfloat16 or int8 (one scale per token
+/// and key/value head), widened in the kernels:
+/// - the codecs: exactly representable values survive, rounding is to nearest even, int8 rows get
+///   max |x| / 127 as their scale, a zero row and a non-finite row are handled;
+/// - the SIMD widening (`detail::load_stored`) equals element-by-element widening for every codec;
+/// - a cache in each format equals attention computed by plain long-double loops over the values
+///   it stores (`keys()`, `values()`: widened copies): decoding with grouped-query heads, a window
+///   with pinned tokens (two blocks), RoPE, softcap / sink / ALiBi, a mask (the materialised
+///   path), several queries, widths that are not whole packets;
+/// - rows are never re-rounded when the storage grows or the ring moves them;
+/// - accuracy against the double reference at n = 4096 (the README's table), with bounds;
+/// - `bytes()` and `bytes_for`, and the errors of the views that need `Same`.
+
+#include <gtest/gtest.h>
+
+#include <attn/attn.hpp>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <random>
+#include <vector>
+
+#include "test_support.hpp"
+
+namespace {
+
+using attn::Index;
+using attn::KVCache;
+using attn::KVCacheConfig;
+using attn::KVStorage;
+using attn::Mask;
+using attn::Matrix;
+
+constexpr KVStorage kReduced[] = {KVStorage::Float16, KVStorage::BFloat16, KVStorage::Int8};
+
+const char* name(KVStorage s) { return attn::detail::storage_name(s); }
+
+float from_bits(std::uint32_t bits) {
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+/// Stores one row through the cache's codec and reads it back widened.
+template <class T>
+Matrix<T> round_trip(KVStorage storage, const Matrix<T>& row) {
+  KVCacheConfig<T> config;
+  config.d_k = row.cols();
+  config.d_v = row.cols();
+  config.storage = storage;
+  KVCache<T> cache(config);
+  cache.append(row, row);
+  return cache.keys(0);
+}
+
+TEST(KVStorageCodecs, RepresentableValuesSurviveAndRoundingIsToNearestEven) {
+  // float16: 11 significant bits; bfloat16: 8.
+  Matrix<float> exact(1, 4);
+  exact << 1.0f, -0.5f, 1.5f, 96.0f;
+  for (const KVStorage s : {KVStorage::Float16, KVStorage::BFloat16}) {
+    EXPECT_TRUE(attn_test::identical(round_trip(s, exact), exact)) << name(s);
+  }
+  Matrix<float> ties(1, 3);
+  // 1 + 2^-11 is halfway between float16 neighbours 1 and 1 + 2^-10: ties to even (1).
+  // 1 + 3 * 2^-11 is halfway between 1 + 2^-10 and 1 + 2^-9: ties to even (1 + 2^-9).
+  ties << 1.0f + std::ldexp(1.0f, -11), 1.0f + 3 * std::ldexp(1.0f, -11), 70000.0f;
+  const Matrix<float> h = round_trip(KVStorage::Float16, ties);
+  EXPECT_EQ(h(0, 0), 1.0f);
+  EXPECT_EQ(h(0, 1), 1.0f + std::ldexp(1.0f, -9));
+  EXPECT_EQ(h(0, 2), std::numeric_limits<float>::infinity()) << "float16 overflows beyond 65504";
+  Matrix<float> bties(1, 2);
+  bties << 1.0f + std::ldexp(1.0f, -8), 1.0f + 3 * std::ldexp(1.0f, -8);
+  const Matrix<float> b = round_trip(KVStorage::BFloat16, bties);
+  EXPECT_EQ(b(0, 0), 1.0f);
+  EXPECT_EQ(b(0, 1), 1.0f + std::ldexp(1.0f, -6));
+}
+
+TEST(KVStorageCodecs, Int8RowsAreScaledByTheirLargestMagnitude) {
+  Matrix<double> row(1, 4);
+  row << 2.54, -1.01, 0.0, 0.6;  // scale 0.02: q = 127, -50.5 -> -50 (nearest even), 0, 30
+  const Matrix<double> got = round_trip(KVStorage::Int8, row);
+  EXPECT_NEAR(got(0, 0), 2.54, 1e-14);
+  EXPECT_NEAR(got(0, 1), -50 * 0.02, 1e-14);
+  EXPECT_EQ(got(0, 2), 0.0);
+  EXPECT_NEAR(got(0, 3), 30 * 0.02, 1e-14);
+  // Every entry is within half a step of the original.
+  std::mt19937 rng(7);
+  const Matrix<double> random = attn_test::random_matrix<double>(1, 64, rng);
+  const Matrix<double> back = round_trip(KVStorage::Int8, random);
+  const double step = random.cwiseAbs().maxCoeff() / 127;
+  EXPECT_LE((back - random).cwiseAbs().maxCoeff(), 0.5 * step * (1 + 1e-12));
+  // A zero row stays zero; a row with a NaN reads as NaN, one with inf as non-finite.
+  EXPECT_TRUE(attn_test::all_zero(round_trip<double>(KVStorage::Int8, Matrix<double>::Zero(1, 5))));
+  Matrix<double> bad = Matrix<double>::Ones(1, 3);
+  bad(0, 1) = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_TRUE(round_trip(KVStorage::Int8, bad).array().isNaN().all());
+  bad(0, 1) = -std::numeric_limits<double>::infinity();
+  EXPECT_FALSE(round_trip(KVStorage::Int8, bad).array().isFinite().any());
+}
+
+/// load_stored (the kernels' SIMD widening) against element-by-element widening.
+template <class T, class Codec>
+void expect_same_widening(std::mt19937& rng) {
+  using Bits = typename Codec::Bits;
+  constexpr Index lanes = attn::detail::decode_lanes<T>;
+  std::vector<Bits> bits(static_cast<std::size_t>(lanes) * 64);
+  std::uniform_int_distribution<int> any(std::numeric_limits<Bits>::min(),
+                                         std::numeric_limits<Bits>::max());
+  for (Bits& b : bits) {
+    b = static_cast<Bits>(any(rng));
+    if constexpr (std::is_same_v<Codec, attn::detail::Int8Codec>) {
+      if (b == -128) b = -127;  // never stored
+    }
+  }
+  alignas(64) T got[static_cast<std::size_t>(lanes)];
+  for (std::size_t at = 0; at + static_cast<std::size_t>(lanes) <= bits.size(); at += 3) {
+    Eigen::internal::pstore(got, attn::detail::load_stored<T, Codec>(bits.data() + at));
+    for (Index i = 0; i < lanes; ++i) {
+      const T want = attn::detail::widen<T>(Codec{}, bits[at + static_cast<std::size_t>(i)], T(1));
+      const T have = got[static_cast<std::size_t>(i)];
+      ASSERT_TRUE((std::isnan(want) && std::isnan(have)) || want == have)
+          << "offset " << at << " lane " << i << ": " << have << " vs " << want;
+    }
+  }
+}
+
+TEST(KVStorageCodecs, SimdWideningEqualsElementByElement) {
+  std::mt19937 rng(3);
+  expect_same_widening<float, attn::detail::Float16Codec>(rng);
+  expect_same_widening<float, attn::detail::BFloat16Codec>(rng);
+  expect_same_widening<float, attn::detail::Int8Codec>(rng);
+  expect_same_widening<double, attn::detail::Float16Codec>(rng);
+  expect_same_widening<double, attn::detail::BFloat16Codec>(rng);
+  expect_same_widening<double, attn::detail::Int8Codec>(rng);
+  // bfloat16's widening is exact by construction: the float with those upper bits.
+  const std::uint16_t one = 0x3F80;
+  EXPECT_EQ(attn::detail::widen<float>(attn::detail::BFloat16Codec{}, one), 1.0f);
+  EXPECT_EQ(from_bits(0x3F800000u), 1.0f);
+}
+
+template <class T>
+class KVStorageCache : public ::testing::Test {};
+TYPED_TEST_SUITE(KVStorageCache, attn_test::ScalarTypes);
+
+struct Setup {
+  Index d = 32;
+  Index kv_heads = 2;
+  Index group = 2;
+  std::optional<Index> window;
+  Index pinned = 0;
+  std::optional<attn::RopeStyle> rope;
+};
+
+/// Appends `tokens` rows in chunks of `chunk` into a cache of `storage`, then checks `attend` of
+/// the last `queries` positions (and a query_offset call) against long-double loops over what the
+/// cache stores, for each head with its visible positions as the mask.
+template <class T>
+void expect_matches_stored(const Setup& s, KVStorage storage, Index tokens, Index chunk,
+                           Index queries, const attn::AttentionOptions<T>& options,
+                           std::uint32_t seed) {
+  KVCacheConfig<T> config;
+  config.d_k = s.d;
+  config.d_v = s.d;
+  config.kv_heads = s.kv_heads;
+  config.window = s.window;
+  config.pinned_tokens = s.pinned;
+  config.rope = s.rope;
+  config.storage = storage;
+  KVCache<T> cache(config);
+  std::mt19937 rng(seed);
+  for (Index done = 0; done < tokens; done += chunk) {
+    const Index r = std::min(chunk, tokens - done);
+    cache.append(attn_test::random_matrix<T>(r, s.kv_heads * s.d, rng),
+                 attn_test::random_matrix<T>(r, s.kv_heads * s.d, rng));
+  }
+  const Index heads = s.kv_heads * s.group;
+  const Matrix<T> Q = attn_test::random_matrix<T>(queries, heads * s.d, rng);
+  const Matrix<T> got = cache.attend(Q, options);
+  const Index first = cache.position() - queries;
+  Matrix<T> rotated = Q;
+  for (Index h = 0; s.rope && h < heads; ++h) {
+    rotated.middleCols(h * s.d, s.d) = attn::rope(Q.middleCols(h * s.d, s.d), first, *s.rope);
+  }
+  const std::vector<Index> positions = cache.key_positions();
+  const auto m = static_cast<Index>(positions.size());
+  Mask allowed(queries, m);
+  for (Index i = 0; i < queries; ++i) {
+    for (Index j = 0; j < m; ++j) {
+      const Index p = first + i;
+      const Index k = positions[static_cast<std::size_t>(j)];
+      allowed(i, j) = k <= p && (!s.window || k >= p - *s.window || k < s.pinned);
+      if (options.mask) allowed(i, j) = allowed(i, j) && (*options.mask)(i, j);
+    }
+  }
+  for (Index h = 0; h < heads; ++h) {
+    const Matrix<T> K = cache.keys(h / s.group);
+    const Matrix<T> V = cache.values(h / s.group);
+    attn::AttentionOptions<T> naive_options = options;
+    naive_options.causal = attn::Causal::None;
+    naive_options.mask = allowed;
+    naive_options.query_offset = first;
+    const auto want =
+        attn_test::naive_attention<T>(rotated.middleCols(h * s.d, s.d), K, V, naive_options);
+    ASSERT_TRUE(attn_test::near_t<T>(got.middleCols(h * s.d, s.d), want.output))
+        << name(storage) << ", head " << h << ", " << tokens << " tokens, " << queries
+        << " queries";
+  }
+}
+
+TYPED_TEST(KVStorageCache, EqualsAttentionOverWhatItStores) {
+  using T = TypeParam;
+  attn::AttentionOptions<T> none;
+  attn::AttentionOptions<T> scalars;
+  scalars.softcap = T(3);
+  scalars.sink = T(0.5);
+  for (const KVStorage storage :
+       {KVStorage::Same, KVStorage::Float16, KVStorage::BFloat16, KVStorage::Int8}) {
+    SCOPED_TRACE(name(storage));
+    Setup gqa;  // 4 query heads over 2 key/value heads, d = 32
+    // One query: the decoding kernel (one part, then 3 parts of 2048 keys merged).
+    expect_matches_stored<T>(gqa, storage, 300, 300, 1, none, 1);
+    expect_matches_stored<T>(gqa, storage, 5000, 1250, 1, scalars, 2);
+    // Several queries (the materialised path over widened keys).
+    expect_matches_stored<T>(gqa, storage, 200, 67, 5, scalars, 3);
+    // A window with pinned tokens: two blocks merged; appended one row at a time.
+    Setup windowed;
+    windowed.window = 37;
+    windowed.pinned = 3;
+    expect_matches_stored<T>(windowed, storage, 150, 1, 1, scalars, 4);
+    expect_matches_stored<T>(windowed, storage, 150, 20, 4, none, 5);
+    // RoPE (keys stored after rotation), the half layout, and a width of 20 (not whole packets).
+    Setup rotary;
+    rotary.d = 20;
+    rotary.group = 3;
+    rotary.rope = attn::RopeStyle::Half;
+    expect_matches_stored<T>(rotary, storage, 130, 13, 1, scalars, 6);
+    expect_matches_stored<T>(rotary, storage, 130, 13, 3, none, 7);
+    // ALiBi and a mask: one query through the materialised path.
+    attn::AttentionOptions<T> tables;
+    tables.alibi_slope = T(0.125);
+    tables.mask = Mask::Constant(1, 90, true);
+    (*tables.mask)(0, 7) = false;
+    expect_matches_stored<T>(gqa, storage, 90, 90, 1, tables, 8);
+  }
+}
+
+TEST(KVStorageCache, RowsAreNeverRoundedTwice) {
+  // The same rows appended at once and one by one (storage doubling, ring moves) read back the
+  // same bits: rows are copied as stored, never decoded and encoded again.
+  std::mt19937 rng(11);
+  const Matrix<float> K = attn_test::random_matrix<float>(300, 16, rng, 3.0);
+  const Matrix<float> V = attn_test::random_matrix<float>(300, 16, rng, 3.0);
+  for (const KVStorage storage : kReduced) {
+    for (const std::optional<Index> window : {std::optional<Index>{}, std::optional<Index>{40}}) {
+      KVCacheConfig<float> config;
+      config.d_k = 8;
+      config.d_v = 8;
+      config.kv_heads = 2;
+      config.window = window;
+      config.pinned_tokens = window ? 2 : 0;
+      config.storage = storage;
+      KVCache<float> whole(config);
+      KVCache<float> rows(config);
+      whole.append(K, V);
+      for (Index i = 0; i < K.rows(); ++i) rows.append(K.middleRows(i, 1), V.middleRows(i, 1));
+      // `whole` keeps every row (a window keeps w + the last append's rows); `rows` keeps the
+      // pinned and the last w + 1.
+      const std::vector<Index> kept = rows.key_positions();
+      ASSERT_EQ(static_cast<Index>(kept.size()), window ? 2 + 41 : 300);
+      for (Index h = 0; h < 2; ++h) {
+        const Matrix<float> all_K = whole.keys(h);
+        const Matrix<float> all_V = whole.values(h);
+        Matrix<float> want_K(static_cast<Index>(kept.size()), 8);
+        Matrix<float> want_V(static_cast<Index>(kept.size()), 8);
+        for (std::size_t i = 0; i < kept.size(); ++i) {
+          want_K.row(static_cast<Index>(i)) = all_K.row(kept[i]);
+          want_V.row(static_cast<Index>(i)) = all_V.row(kept[i]);
+        }
+        EXPECT_TRUE(attn_test::identical(rows.keys(h), want_K)) << name(storage);
+        EXPECT_TRUE(attn_test::identical(rows.values(h), want_V)) << name(storage);
+      }
+    }
+  }
+}
+
+/// The worst error of a decoding step over n cached tokens in `storage`, against the double
+/// computation over the unrounded values: max |o - o_ref| / max |o_ref| over every head.
+double worst_relative_error(KVStorage storage, Index n, std::uint32_t seed) {
+  constexpr Index d = 128;
+  constexpr Index kv_heads = 2;
+  constexpr Index heads = 8;
+  std::mt19937 rng(seed);
+  const Matrix<double> K = attn_test::random_matrix<double>(n, kv_heads * d, rng);
+  const Matrix<double> V = attn_test::random_matrix<double>(n, kv_heads * d, rng);
+  const Matrix<double> Q = attn_test::random_matrix<double>(1, heads * d, rng);
+  KVCacheConfig<double> reference_config;
+  reference_config.d_k = d;
+  reference_config.d_v = d;
+  reference_config.kv_heads = kv_heads;
+  KVCache<double> reference(reference_config);
+  reference.append(K, V);
+  const Matrix<double> want = reference.attend(Q);
+  KVCacheConfig<float> config;
+  config.d_k = d;
+  config.d_v = d;
+  config.kv_heads = kv_heads;
+  config.storage = storage;
+  KVCache<float> cache(config);
+  cache.append(K.cast<float>(), V.cast<float>());
+  const Matrix<double> got = cache.attend(Q.cast<float>()).cast<double>();
+  double worst = 0;
+  for (Index h = 0; h < heads; ++h) {
+    const auto w = want.middleCols(h * d, d);
+    worst = std::max(
+        worst, (got.middleCols(h * d, d) - w).cwiseAbs().maxCoeff() / w.cwiseAbs().maxCoeff());
+  }
+  return worst;
+}
+
+TEST(KVStorageAccuracy, DecodingAt4096TokensStaysWithinEachFormatsBound) {
+  // The README's accuracy table (float compute; N(0, 1) queries, keys and values; d = 128;
+  // 8 query heads over 2 key/value heads). The bounds are about twice the worst of 3 seeds.
+  struct Bound {
+    KVStorage storage;
+    double bound;
+  };
+  for (const Bound b : {Bound{KVStorage::Same, 1e-5}, Bound{KVStorage::Float16, 2e-3},
+                        Bound{KVStorage::BFloat16, 1.5e-2}, Bound{KVStorage::Int8, 3e-2}}) {
+    double worst = 0;
+    for (std::uint32_t seed = 1; seed <= 3; ++seed) {
+      worst = std::max(worst, worst_relative_error(b.storage, 4096, seed));
+    }
+    RecordProperty(name(b.storage), std::to_string(worst));
+    std::printf("[ accuracy ] %-20s n = 4096: worst relative error %.2e (bound %.1e)\n",
+                name(b.storage), worst, b.bound);
+    EXPECT_LT(worst, b.bound) << name(b.storage);
+    if (b.storage != KVStorage::Same) {
+      EXPECT_GT(worst, 1e-6) << name(b.storage) << ": the keys were not rounded at all";
+    }
+  }
+}
+
+TEST(KVStorageCache, BytesCountWhatIsStored) {
+  KVCacheConfig<float> config;
+  config.d_k = 64;
+  config.d_v = 32;
+  config.kv_heads = 3;
+  const Index per_token_same = 3 * (64 + 32) * 4;
+  for (const KVStorage storage :
+       {KVStorage::Same, KVStorage::Float16, KVStorage::BFloat16, KVStorage::Int8}) {
+    config.storage = storage;
+    KVCache<float> cache(config);
+    EXPECT_EQ(cache.bytes(), 0);
+    cache.append(Matrix<float>::Ones(1000, 3 * 64), Matrix<float>::Ones(1000, 3 * 32));
+    const Index expected = storage == KVStorage::Same ? 1000 * per_token_same
+                           : storage == KVStorage::Int8
+                               ? 1000 * 3 * (64 + 32 + 2 * 4)  // 1 byte each, 2 float scales
+                               : 1000 * 3 * (64 + 32) * 2;
+    EXPECT_EQ(cache.bytes(), expected) << name(storage);
+    EXPECT_EQ(KVCache<float>::bytes_for(config, 1000), expected) << name(storage);
+  }
+}
+
+TEST(KVStorageCache, ViewsOfTRowsNeedSameStorage) {
+  attn::KVStore<float> store(attn::KVStoreShape{4, 4, 1, std::nullopt, 0, KVStorage::Int8});
+  store.append(Matrix<float>::Ones(2, 4), Matrix<float>::Ones(2, 4));
+  attn_test::expect_shape_error([&] { store.recent_keys(0); },
+                                {"KVStorage::Same", "KVStorage::Int8", "keys()"});
+  EXPECT_TRUE(attn_test::identical(store.keys(0), Matrix<float>::Ones(2, 4)));
+}
+
+}  // namespace
