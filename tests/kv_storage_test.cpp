@@ -105,13 +105,14 @@ template <class T, class Codec>
 void expect_same_widening(std::mt19937& rng) {
   using Bits = typename Codec::Bits;
   constexpr Index lanes = attn::detail::decode_lanes<T>;
+  // Every bit pattern may occur (NaN, inf, subnormal halves included), but int8's -128.
   std::vector<Bits> bits(static_cast<std::size_t>(lanes) * 64);
-  std::uniform_int_distribution<int> any(std::numeric_limits<Bits>::min(),
-                                         std::numeric_limits<Bits>::max());
+  std::uniform_int_distribution<int> any(0, 65535);
   for (Bits& b : bits) {
-    b = static_cast<Bits>(any(rng));
     if constexpr (std::is_same_v<Codec, attn::detail::Int8Codec>) {
-      if (b == -128) b = -127;  // never stored
+      b = static_cast<Bits>(any(rng) % 255 - 127);
+    } else {
+      b = Eigen::numext::bit_cast<Bits>(static_cast<std::uint16_t>(any(rng)));
     }
   }
   alignas(64) T got[static_cast<std::size_t>(lanes)];
@@ -135,7 +136,7 @@ TEST(KVStorageCodecs, SimdWideningEqualsElementByElement) {
   expect_same_widening<double, attn::detail::BFloat16Codec>(rng);
   expect_same_widening<double, attn::detail::Int8Codec>(rng);
   // bfloat16's widening is exact by construction: the float with those upper bits.
-  const std::uint16_t one = 0x3F80;
+  const auto one = Eigen::numext::bit_cast<Eigen::bfloat16>(std::uint16_t{0x3F80});
   EXPECT_EQ(attn::detail::widen<float>(attn::detail::BFloat16Codec{}, one), 1.0f);
   EXPECT_EQ(from_bits(0x3F800000u), 1.0f);
 }
@@ -222,6 +223,12 @@ TYPED_TEST(KVStorageCache, EqualsAttentionOverWhatItStores) {
     // One query: the decoding kernel (one part, then 3 parts of 2048 keys merged).
     expect_matches_stored<T>(gqa, storage, 300, 300, 1, none, 1);
     expect_matches_stored<T>(gqa, storage, 5000, 1250, 1, scalars, 2);
+    // 4 query heads per key/value head: the decoding kernel's 4 x 4 score blocks (AVX-512),
+    // 301 keys: the last tile ends with one key done alone.
+    Setup four = gqa;
+    four.group = 4;
+    expect_matches_stored<T>(four, storage, 301, 301, 1, scalars, 9);
+    expect_matches_stored<T>(four, storage, 4099, 4099, 1, none, 10);
     // Several queries (the materialised path over widened keys).
     expect_matches_stored<T>(gqa, storage, 200, 67, 5, scalars, 3);
     // A window with pinned tokens: two blocks merged; appended one row at a time.
@@ -361,6 +368,87 @@ TEST(KVStorageCache, BytesCountWhatIsStored) {
     EXPECT_EQ(cache.bytes(), expected) << name(storage);
     EXPECT_EQ(KVCache<float>::bytes_for(config, 1000), expected) << name(storage);
   }
+}
+
+/// K and V rounded to S and back: what the kernels must compute with.
+template <class S>
+Matrix<float> widened(const Matrix<S>& X) {
+  return X.template cast<float>();
+}
+
+/// flash_attention, scaled_dot_product_attention and attention_heads with Eigen::half or
+/// Eigen::bfloat16 keys and values give the bits of the same calls on the widened floats, on
+/// every path (decode, materialised, tiled) and with every kind of option.
+template <class S>
+void expect_narrow_kv_calls_match(std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  struct Shape {
+    Index n, m, d;
+  };
+  attn::AttentionOptions<float> plain;
+  attn::AttentionOptions<float> rich;
+  rich.causal = attn::Causal::BottomRight;
+  rich.softcap = 5.0f;
+  rich.alibi_slope = 0.0625f;
+  rich.sink = 0.25f;
+  rich.window = 150;
+  for (const Shape shape : {Shape{1, 333, 32}, Shape{20, 30, 16}, Shape{300, 700, 32},
+                            Shape{1, 90, 20}, Shape{130, 260, 24}}) {
+    SCOPED_TRACE(::testing::Message() << "n = " << shape.n << ", m = " << shape.m);
+    const Matrix<float> Q = attn_test::random_matrix<float>(shape.n, shape.d, rng);
+    const Matrix<S> K = attn_test::random_matrix<float>(shape.m, shape.d, rng).template cast<S>();
+    const Matrix<S> V = attn_test::random_matrix<float>(shape.m, shape.d, rng).template cast<S>();
+    attn::AttentionOptions<float> tables = rich;
+    tables.bias = attn_test::random_matrix<float>(shape.n, shape.m, rng);
+    tables.mask = Mask::Constant(shape.n, shape.m, true);
+    (*tables.mask)(0, shape.m / 2) = false;
+    for (const auto* options : {&plain, &rich, &tables}) {
+      EXPECT_TRUE(attn_test::identical(attn::flash_attention(Q, K, V, *options),
+                                       attn::flash_attention(Q, widened(K), widened(V), *options)));
+      EXPECT_TRUE(attn_test::identical(
+          attn::scaled_dot_product_attention(Q, K, V, *options),
+          attn::scaled_dot_product_attention(Q, widened(K), widened(V), *options)));
+    }
+    attn::Vector<float> lse_narrow, lse_wide;
+    const Matrix<float> O = attn::flash_attention(Q, K, V, rich, lse_narrow);
+    EXPECT_TRUE(
+        attn_test::identical(O, attn::flash_attention(Q, widened(K), widened(V), rich, lse_wide)));
+    EXPECT_TRUE(attn_test::identical(lse_narrow, lse_wide));
+  }
+  // attention_heads: 6 query heads over 2 key/value heads (the stacked decoding path for one
+  // query), several queries, per-head sinks.
+  for (const Index n : {1, 40}) {
+    attn::Tensor3<float> Q(6, n, 32);
+    attn::Tensor3<S> K(2, 500, 32), V(2, 500, 32);
+    attn::Tensor3<float> K_wide(2, 500, 32), V_wide(2, 500, 32);
+    std::normal_distribution<float> normal;
+    for (Index i = 0; i < Q.size(); ++i) Q.data()[i] = normal(rng);
+    for (Index i = 0; i < K.size(); ++i) {
+      K.data()[i] = S(normal(rng));
+      V.data()[i] = S(normal(rng));
+      K_wide.data()[i] = static_cast<float>(K.data()[i]);
+      V_wide.data()[i] = static_cast<float>(V.data()[i]);
+    }
+    attn::HeadOptions<float> per_head;
+    per_head.sinks = std::vector<float>{0.5f, -1.0f, 0.0f, 1.0f, 2.0f, -0.5f};
+    attn::HeadOptions<float> shared;
+    for (const auto* p : {&shared, &per_head}) {
+      attn::AttentionOptions<float> options = rich;
+      if (p->sinks) options.sink.reset();
+      const attn::Tensor3<float> narrow = attn::attention_heads(Q, K, V, options, *p);
+      const attn::Tensor3<float> wide = attn::attention_heads(Q, K_wide, V_wide, options, *p);
+      for (Index h = 0; h < 6; ++h) {
+        EXPECT_TRUE(
+            attn_test::identical(attn::detail::slice(narrow, h), attn::detail::slice(wide, h)))
+            << "head " << h << ", n = " << n;
+      }
+    }
+  }
+}
+
+TEST(NarrowKeysAndValues, EqualTheCallsOnTheWidenedFloats) {
+  expect_narrow_kv_calls_match<Eigen::half>(21);
+  expect_narrow_kv_calls_match<Eigen::bfloat16>(22);
 }
 
 TEST(KVStorageCache, ViewsOfTRowsNeedSameStorage) {

@@ -227,6 +227,17 @@ void run_case(const std::string& name) {
 
   const attn::onnx::Outputs<T> got = attn::onnx::attention(inputs, attributes, request);
   EXPECT_TRUE(matches(got.Y, out[0], atol, rtol)) << "Y";
+  if (fp16) {
+    // The same case with the keys and values read through float16 storage (Eigen::half
+    // matrices, as from a KVCache kept in KVStorage::Float16): within the case's tolerance.
+    const attn::onnx::Outputs<T> stored =
+        attn::onnx::attention(inputs, attributes, request, attn::KVStorage::Float16);
+    EXPECT_TRUE(matches(stored.Y, out[0], atol, rtol)) << "Y through float16 storage";
+    if (request.qk_matmul_output) {
+      EXPECT_TRUE(matches(*stored.qk_matmul_output, out[3], atol, rtol))
+          << "qk_matmul_output through float16 storage";
+    }
+  }
   const char* names[] = {"Y", "present_key", "present_value", "qk_matmul_output"};
   const std::optional<attn::onnx::Tensor<T>>* optional_outputs[] = {
       nullptr, &got.present_key, &got.present_value, &got.qk_matmul_output};
@@ -365,6 +376,11 @@ TEST(OnnxAttentionErrors, MaskThatDoesNotBroadcast) {
   in.attn_bool_mask = attn::onnx::BoolTensor{{2, 1, 1, 1, 5}, std::vector<bool>(10, true)};
   expect_shape_error([&] { attn::onnx::attention(in); },
                      {"attn_mask", "rank 1 to 4", "(2, 1, 1, 1, 5)"});
+}
+
+TEST(OnnxAttentionErrors, Int8StorageIsRefused) {
+  expect_shape_error([&] { attn::onnx::attention(small_inputs(), {}, {}, attn::KVStorage::Int8); },
+                     {"storage", "KVStorage::Int8"});
 }
 
 TEST(OnnxAttentionErrors, PastAndPadding) {

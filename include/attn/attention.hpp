@@ -18,8 +18,10 @@
 namespace attn {
 /// Scaled dot-product attention, `softmax(scale * Q K^T + bias, masked) V`, into caller storage.
 /// \param Q        n x d_k queries, one row per token (any Eigen expression, either storage order)
-/// \param K        m x d_k keys
-/// \param V        m x d_v values
+/// \param K        m x d_k keys: Q's scalar type, or `Eigen::half` / `Eigen::bfloat16` (widened
+///                 to Q's type in the kernels, as a `KVCache` with `KVStorage::Float16` /
+///                 `BFloat16` reads its rows; the result is then exactly that of the widened keys)
+/// \param V        m x d_v values, of K's scalar type
 /// \param options  causal alignment, query offset, windows, mask (n x m), bias (n x m), scale,
 ///                 softcap, ALiBi, sink
 /// \param out      resized to n x d_v (no allocation when it already has that shape): row i is the
@@ -35,11 +37,14 @@ void scaled_dot_product_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::M
                                   const AttentionOptions<typename DQ::Scalar>& options,
                                   Matrix<typename DQ::Scalar>& out) {
   using T = typename DQ::Scalar;
-  detail::check_attention("scaled_dot_product_attention", Q, K, V, options);
+  detail::check_attention_kv("scaled_dot_product_attention", Q, K, V, options);
   out.resize(Q.rows(), V.cols());
   detail::PathScratch<T> scratch;
-  detail::attend_one<T>(Q, K, V, detail::make_rule(options, Q.rows(), K.rows(), Q.cols()), scratch,
-                        out, nullptr, false);
+  const detail::ScoreRule<T> rule = detail::make_rule(options, Q.rows(), K.rows(), Q.cols());
+  detail::with_kv_blocks<T>(K, V, [&](const auto& K_b, const auto& V_b) {
+    detail::attend_one<T>(Q, detail::kernel_block<T>(K_b), detail::kernel_block<T>(V_b), rule,
+                          scratch, out, nullptr, false);
+  });
 }
 
 /// Scaled dot-product attention (see the overload writing into caller storage).

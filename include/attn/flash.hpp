@@ -11,6 +11,7 @@
 #include "detail/pipeline.hpp"
 #include "detail/score_rule.hpp"
 #include "detail/score_tiles.hpp"
+#include "detail/stored.hpp"
 #include "detail/value_tiles.hpp"
 #include "threads.hpp"
 
@@ -44,7 +45,44 @@ struct FlashScratch {
   Matrix<T> s;             ///< rows x key tile: logits, then unnormalised probabilities
   Vector<T> alpha;         ///< each row's rescale of its running output for the current tile
   OnlineSoftmax<T> state;  ///< running output, maxima and sums of the block's rows
+  Matrix<T> values;        ///< stored values: the tile's rows widened to T
 };
+
+/// Keys in a stored format (detail/stored.hpp) packed for the score tiles, widened on the way
+/// (the packed panels are a copy in any case).
+template <class T, class Codec>
+const T* pack_keys(const StoredBlock<Codec, T>& K) {
+  T* packed = packed_panels<T>(K.rows(), K.cols());
+  pack_panels<T>(
+      K.rows(), K.cols(), [&](Index j, Index c) { return K(j, c); }, packed);
+  return packed;
+}
+
+/// Rows [j0, j0 + cols) of the values as the value kernel reads them: in place for T, widened
+/// into `scratch.values` for a stored format. Returns the first row and sets `stride`.
+template <class T>
+const T* value_rows(ConstRef<T> V, Index j0, Index, FlashScratch<T>&, Index& stride) {
+  stride = V.outerStride();
+  return V.data() + j0 * stride;
+}
+template <class T, class Codec>
+const T* value_rows(const StoredBlock<Codec, T>& V, Index j0, Index cols, FlashScratch<T>& scratch,
+                    Index& stride) {
+  V.middleRows(j0, cols).widen_into(scratch.values);
+  stride = scratch.values.outerStride();
+  return scratch.values.data();
+}
+
+/// `repair_rows` for keys and values in a stored format: widened first, only when a row needs it.
+template <class T, class Codec>
+void repair_rows(ConstRef<T> Q, const StoredBlock<Codec, T>& K, const StoredBlock<Codec, T>& V,
+                 const ScoreRule<T>& rule, Index i0, Index rows, Eigen::Ref<Matrix<T>> O, T* lse) {
+  if (std::isfinite(O.middleRows(i0, rows).sum())) return;
+  Matrix<T> K_wide, V_wide;
+  K.widen_into(K_wide);
+  V.widen_into(V_wide);
+  repair_rows<T>(Q, K_wide, V_wide, rule, i0, rows, O, lse);
+}
 
 /// `cols` rounded up to a whole number of register panels.
 template <class T>
@@ -82,8 +120,10 @@ void flash_scores(ConstRef<T> Q, const PackedKeys<T>& keys, T scale, Index i0, I
 ///      register tiles (`value_tiles`), the rescale fused into the load of o_i.
 /// Finally O_i = o_i / l_i, guarded, and lse_i = m_i + log(l_i); rows that came out not finite are
 /// recomputed key by key (`repair_rows`), so a forbidden key's NaN value never reaches them.
-template <class T>
-void flash_block(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const PackedKeys<T>& keys,
+/// K and V are blocks of T or `StoredBlock`s (the keys are then widened when packed, the values
+/// tile by tile).
+template <class T, class KBlock, class VBlock>
+void flash_block(ConstRef<T> Q, const KBlock& K, const VBlock& V, const PackedKeys<T>& keys,
                  const ScoreRule<T>& rule, const FlashTiles& tiles, Index i0, Index rows,
                  FlashScratch<T>& scratch, Eigen::Ref<Matrix<T>> O, T* lse) {
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
@@ -122,16 +162,19 @@ void flash_block(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const PackedKeys<T
       Eigen::Map<RowVector<T>> logits(row, padded);
       scratch.alpha(r) = online_softmax_step<T>(logits, scratch.state.m(r), scratch.state.l(r));
     }
-    value_tiles<T>(rows, cols, d_v, s, s_stride, V.data() + j0 * V.outerStride(), V.outerStride(),
-                   scratch.alpha.data(), scratch.state.o.data(), scratch.state.o.outerStride());
+    Index v_stride = 0;
+    const T* v_rows = value_rows<T>(V, j0, cols, scratch, v_stride);
+    value_tiles<T>(rows, cols, d_v, s, s_stride, v_rows, v_stride, scratch.alpha.data(),
+                   scratch.state.o.data(), scratch.state.o.outerStride());
   }
   scratch.state.finish(O.middleRows(i0, rows), lse ? lse + i0 : nullptr);
   repair_rows<T>(Q, K, V, rule, i0, rows, O, lse);
 }
 
-/// The query blocks [0, n) of one head, on this thread: the tiled path of `run_path`.
-template <class T>
-void flash_blocks(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& rule,
+/// The query blocks [0, n) of one head, on this thread: the tiled path of `run_path` (K and V
+/// blocks of T or `StoredBlock`s).
+template <class T, class KBlock, class VBlock>
+void flash_blocks(ConstRef<T> Q, const KBlock& K, const VBlock& V, const ScoreRule<T>& rule,
                   const FlashTiles& tiles, FlashScratch<T>& scratch, Eigen::Ref<Matrix<T>> O,
                   T* lse) {
   const PackedKeys<T> keys{pack_keys<T>(K), K.cols()};
@@ -144,10 +187,11 @@ void flash_blocks(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T
 /// The tiled kernel over all query blocks, in parallel when OpenMP is on: K is packed once, then
 /// each block is computed by one thread in a fixed order, so the result does not depend on the
 /// thread count. The blocks are handed out last first: with a causal mask the last ones see the
-/// most keys, and the short ones then fill the threads' ends.
-template <class T>
-void flash_kernel(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& rule,
-                  const FlashTiles& tiles, Eigen::Ref<Matrix<T>> O, T* lse) {
+/// most keys, and the short ones then fill the threads' ends. K and V are blocks of T or
+/// `StoredBlock`s.
+template <class T, class KBlock, class VBlock>
+void flash_kernel_on(ConstRef<T> Q, const KBlock& K, const VBlock& V, const ScoreRule<T>& rule,
+                     const FlashTiles& tiles, Eigen::Ref<Matrix<T>> O, T* lse) {
   const Index n = Q.rows();
   if (n == 0) return;
   const PackedKeys<T> keys{pack_keys<T>(K), K.cols()};  // the calling thread's; shared by all
@@ -157,6 +201,13 @@ void flash_kernel(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T
     flash_block<T>(Q, K, V, keys, rule, tiles, i0, std::min(tiles.query_rows, n - i0), scratch, O,
                    lse);
   });
+}
+
+/// `flash_kernel_on` over keys and values of T.
+template <class T>
+void flash_kernel(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& rule,
+                  const FlashTiles& tiles, Eigen::Ref<Matrix<T>> O, T* lse) {
+  flash_kernel_on<T>(Q, K, V, rule, tiles, O, lse);
 }
 
 /// Tile sizes (`FlashTiles`, `BackwardTiles`) must be at least 1.
@@ -173,8 +224,9 @@ void require_tiles(const char* function, const Tiles& tiles) {
 /// storage: the same result as `scaled_dot_product_attention`, without ever forming the n x m
 /// score table.
 /// \param Q        n x d_k queries
-/// \param K        m x d_k keys
-/// \param V        m x d_v values
+/// \param K        m x d_k keys: Q's scalar type, or `Eigen::half` / `Eigen::bfloat16` (widened
+///                 to Q's type when packed for the score tiles)
+/// \param V        m x d_v values, of K's scalar type (a stored format is widened tile by tile)
 /// \param options  every `AttentionOptions` field; tiles entirely outside the rows' key range
 ///                 (causal, windows, query offset) are never computed
 /// \param out      resized to n x d_v (no allocation when it already has that shape)
@@ -188,11 +240,14 @@ void flash_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>
                      const AttentionOptions<typename DQ::Scalar>& options,
                      Matrix<typename DQ::Scalar>& out, const FlashTiles& tiles = {}) {
   using T = typename DQ::Scalar;
-  detail::check_attention("flash_attention", Q, K, V, options);
+  detail::check_attention_kv("flash_attention", Q, K, V, options);
   detail::require_tiles("flash_attention", tiles);
   out.resize(Q.rows(), V.cols());
-  detail::flash_kernel<T>(Q, K, V, detail::make_rule(options, Q.rows(), K.rows(), Q.cols()), tiles,
-                          out, nullptr);
+  const detail::ScoreRule<T> rule = detail::make_rule(options, Q.rows(), K.rows(), Q.cols());
+  detail::with_kv_blocks<T>(K, V, [&](const auto& K_b, const auto& V_b) {
+    detail::flash_kernel_on<T>(Q, detail::kernel_block<T>(K_b), detail::kernel_block<T>(V_b), rule,
+                               tiles, out, nullptr);
+  });
 }
 
 /// `flash_attention` returning its n x d_v result (see the overload writing into caller storage).
@@ -219,12 +274,15 @@ Matrix<typename DQ::Scalar> flash_attention(const Eigen::MatrixBase<DQ>& Q,
                                             Vector<typename DQ::Scalar>& log_sum_exp,
                                             const FlashTiles& tiles = {}) {
   using T = typename DQ::Scalar;
-  detail::check_attention("flash_attention", Q, K, V, options);
+  detail::check_attention_kv("flash_attention", Q, K, V, options);
   detail::require_tiles("flash_attention", tiles);
   Matrix<T> O(Q.rows(), V.cols());
   log_sum_exp.resize(Q.rows());
-  detail::flash_kernel<T>(Q, K, V, detail::make_rule(options, Q.rows(), K.rows(), Q.cols()), tiles,
-                          O, log_sum_exp.data());
+  const detail::ScoreRule<T> rule = detail::make_rule(options, Q.rows(), K.rows(), Q.cols());
+  detail::with_kv_blocks<T>(K, V, [&](const auto& K_b, const auto& V_b) {
+    detail::flash_kernel_on<T>(Q, detail::kernel_block<T>(K_b), detail::kernel_block<T>(V_b), rule,
+                               tiles, O, log_sum_exp.data());
+  });
   return O;
 }
 

@@ -104,9 +104,9 @@ ScoreRule<T> head_rule(const ScoreRule<T>& shared, const HeadOptions<T>& per_hea
 }
 
 /// Checks (h_q, n, d), (h_kv, m, d), (h_kv, m, d_v) head tensors and the options.
-template <class T>
-void check_heads(const char* function, const Tensor3<T>& Q, const Tensor3<T>& K,
-                 const Tensor3<T>& V, const AttentionOptions<T>& options,
+template <class T, class S>
+void check_heads(const char* function, const Tensor3<T>& Q, const Tensor3<S>& K,
+                 const Tensor3<S>& V, const AttentionOptions<T>& options,
                  const HeadOptions<T>& per_head) {
   const auto mismatch = [&](const char* what) {
     fail(function, what, " (Q is ", dims_of(Q), ", K is ", dims_of(K), ", V is ", dims_of(V),
@@ -162,9 +162,22 @@ void heads_kernel(Index heads, Index group, const ScoreRule<T>& shared,
 
 /// The forward of `attention_heads`, checks included: out (h_q, n, d_v) and, when `lse` is not
 /// null, h_q x n log-sum-exps.
-template <class T>
-void heads_forward(const char* function, const Tensor3<T>& Q, const Tensor3<T>& K,
-                   const Tensor3<T>& V, const AttentionOptions<T>& options,
+/// Head kv of a (heads, m, d) tensor of keys or values as the kernels read it: a view of T, or a
+/// `StoredBlock` of `Eigen::half` / `Eigen::bfloat16` rows.
+template <class T, class S>
+auto kv_slice(const Tensor3<S>& t, Index kv) {
+  if constexpr (std::is_same_v<S, T>) {
+    return slice(t, kv);
+  } else {
+    const Index m = t.dimension(1);
+    const Index d = t.dimension(2);
+    return StoredBlock<codec_for_t<S>, T>(t.data() + kv * m * d, m, d, d, nullptr);
+  }
+}
+
+template <class T, class S>
+void heads_forward(const char* function, const Tensor3<T>& Q, const Tensor3<S>& K,
+                   const Tensor3<S>& V, const AttentionOptions<T>& options,
                    const HeadOptions<T>& per_head, Tensor3<T>& out, Matrix<T>* lse) {
   check_heads(function, Q, K, V, options, per_head);
   const Index heads = Q.dimension(0);
@@ -179,7 +192,7 @@ void heads_forward(const char* function, const Tensor3<T>& Q, const Tensor3<T>& 
   const ScoreRule<T> shared = make_rule(options, n, K.dimension(1), d_k);
   heads_kernel<T>(
       heads, group, shared, per_head, d_k, d_v, [&](Index h) { return slice(Q, h); },
-      [&](Index kv) { return slice(K, kv); }, [&](Index kv) { return slice(V, kv); },
+      [&](Index kv) { return kv_slice<T>(K, kv); }, [&](Index kv) { return kv_slice<T>(V, kv); },
       [&](Index h) { return slice(out, h); },
       [&](Index kv) {
         return Eigen::Map<const Matrix<T>>(Q.data() + kv * group * d_k, group, d_k);
@@ -206,6 +219,29 @@ void attention_heads(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>&
                      const AttentionOptions<detail::identity_t<T>>& options,
                      const HeadOptions<detail::identity_t<T>>& per_head, Tensor3<T>& out) {
   detail::heads_forward<T>("attention_heads", Q, K, V, options, per_head, out, nullptr);
+}
+
+/// `attention_heads` with keys and values in `Eigen::half` or `Eigen::bfloat16` (queries and the
+/// result in T), into caller storage: what a prefill over a `KVCache` kept in `KVStorage::Float16`
+/// or `BFloat16` computes. The stored values are widened to T in the kernels (the decoding kernel's
+/// registers, the tiled kernel's packing and value tiles; the small materialised problems widen a
+/// copy of each head), so the result is exactly that of the widened tensors.
+template <class T, class S, std::enable_if_t<detail::is_narrow_scalar_v<S>, int> = 0>
+void attention_heads(const Tensor3<T>& Q, const Tensor3<S>& K, const Tensor3<S>& V,
+                     const AttentionOptions<detail::identity_t<T>>& options,
+                     const HeadOptions<detail::identity_t<T>>& per_head, Tensor3<T>& out) {
+  detail::heads_forward<T>("attention_heads", Q, K, V, options, per_head, out, nullptr);
+}
+
+/// `attention_heads` with `Eigen::half` or `Eigen::bfloat16` keys and values, returning
+/// (h_q, n, d_v).
+template <class T, class S, std::enable_if_t<detail::is_narrow_scalar_v<S>, int> = 0>
+Tensor3<T> attention_heads(const Tensor3<T>& Q, const Tensor3<S>& K, const Tensor3<S>& V,
+                           const AttentionOptions<detail::identity_t<T>>& options = {},
+                           const HeadOptions<detail::identity_t<T>>& per_head = {}) {
+  Tensor3<T> out;
+  attention_heads(Q, K, V, options, per_head, out);
+  return out;
 }
 
 /// `attention_heads` that also returns each query head's log-sum-exp (what

@@ -507,6 +507,11 @@ namespace onnx {
 ///                    `past_key`/`past_value`, `nonpad_kv_seqlen` (see `Inputs` for shapes)
 /// \param attributes  the node's attributes (see `Attributes`)
 /// \param request     which optional outputs to produce (default: Y and the present cache)
+/// \param storage     not an ONNX attribute: the format the heads read the keys and values in.
+///                    `Same` (default): T. `Float16` / `BFloat16`: each head's keys and values
+///                    (past and new) are rounded to that format and read as `Eigen::half` /
+///                    `Eigen::bfloat16` matrices, as from a `KVCache` kept in that format (the
+///                    present outputs stay unrounded). `Int8` is refused.
 /// \returns `Outputs`: Y of Q's rank; `present_key`/`present_value` of shape
 ///          `(batch, kv_heads, total_kv, d | d_v)`; `qk_matmul_output` of shape
 ///          `(batch, q_heads, q_seq, total_kv)` when requested. A query that may attend no key
@@ -519,7 +524,7 @@ namespace onnx {
 ///       total mask/bias table at a time, and with `qk_matmul_output` the table itself.
 template <class T>
 Outputs<T> attention(const Inputs<T>& inputs, const Attributes& attributes = {},
-                     const OutputRequest& request = {}) {
+                     const OutputRequest& request = {}, KVStorage storage = KVStorage::Same) {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
                 "attn::onnx::attention works on float and double tensors");
   namespace on = attn::detail::onnx;
@@ -527,6 +532,11 @@ Outputs<T> attention(const Inputs<T>& inputs, const Attributes& attributes = {},
   using MutableMap = Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>;
 
   // 1. Checks, then the cache: present = concat(past, new), the keys every head reads.
+  if (storage == KVStorage::Int8) {
+    attn::detail::fail("onnx::attention", "storage must be Same, Float16 or BFloat16, not ",
+                       attn::detail::storage_name(storage),
+                       " (int8 needs the scales of a KVCache)");
+  }
   on::check_attributes(attributes);
   const on::Sizes s = on::check_inputs(inputs, attributes);
   const on::MaskPlans plans = on::mask_plans(inputs, s);
@@ -555,6 +565,12 @@ Outputs<T> attention(const Inputs<T>& inputs, const Attributes& attributes = {},
       attributes.scale ? static_cast<T>(*attributes.scale) : T(1) / std::sqrt(static_cast<T>(s.d));
   AttentionOptions<T> options = on::shared_options<T>(attributes, scale);
   Matrix<T> y_head;  // one head's n x d_v output, reused from head to head
+  // With a 16-bit storage: the current key/value head in that format, and widened back to T
+  // (for the tables of qk_matmul_output).
+  Matrix<Eigen::half> k_half, v_half;
+  Matrix<Eigen::bfloat16> k_bf16, v_bf16;
+  Matrix<T> k_round, v_round;
+  Index stored_head = -1;
   for (Index b = 0; b < s.batch; ++b) {
     options.query_offset = on::query_offset(inputs, s, b);
     for (Index h = 0; h < s.q_heads; ++h) {
@@ -568,19 +584,44 @@ Outputs<T> attention(const Inputs<T>& inputs, const Attributes& attributes = {},
                           s.total, s.d_v, Eigen::OuterStride<>(s.d_v));
       MutableMap y_bh(out.Y.data.data() + b * y_at.batch + h * y_at.head, s.n, s.d_v,
                       Eigen::OuterStride<>(y_at.row));
+      const bool stored = storage != KVStorage::Same;
+      if (stored && stored_head != b * s.kv_heads + kv_h) {
+        stored_head = b * s.kv_heads + kv_h;
+        if (storage == KVStorage::Float16) {
+          k_half = k_bh.template cast<Eigen::half>();
+          v_half = v_bh.template cast<Eigen::half>();
+          k_round = k_half.template cast<T>();
+          v_round = v_half.template cast<T>();
+        } else {
+          k_bf16 = k_bh.template cast<Eigen::bfloat16>();
+          v_bf16 = v_bh.template cast<Eigen::bfloat16>();
+          k_round = k_bf16.template cast<T>();
+          v_round = v_bf16.template cast<T>();
+        }
+      }
       if (!request.qk_matmul_output) {
-        scaled_dot_product_attention(q_bh, k_bh, v_bh, options, y_head);  // reuses y_head
+        if (storage == KVStorage::Float16) {
+          scaled_dot_product_attention(q_bh, k_half, v_half, options, y_head);
+        } else if (storage == KVStorage::BFloat16) {
+          scaled_dot_product_attention(q_bh, k_bf16, v_bf16, options, y_head);
+        } else {
+          scaled_dot_product_attention(q_bh, k_bh, v_bh, options, y_head);  // reuses y_head
+        }
         y_bh = y_head;
         continue;
       }
+      const ConstMap k_used(stored ? k_round.data() : k_bh.data(), s.total, s.d,
+                            Eigen::OuterStride<>(s.d));
+      const ConstMap v_used(stored ? v_round.data() : v_bh.data(), s.total, s.d_v,
+                            Eigen::OuterStride<>(s.d_v));
       Eigen::Map<Matrix<T>> table_bh(
           out.qk_matmul_output->data.data() + (b * s.q_heads + h) * s.n * s.total, s.n, s.total);
       if (mode == 3) {
-        const Attention<T> result = attention_with_weights(q_bh, k_bh, v_bh, options);
+        const Attention<T> result = attention_with_weights(q_bh, k_used, v_used, options);
         y_bh = result.output;
         table_bh = result.weights;  // zero rows where a query may attend nothing
       } else {
-        const AttentionTrace<T> trace = trace_attention(q_bh, k_bh, v_bh, options);
+        const AttentionTrace<T> trace = trace_attention(q_bh, k_used, v_used, options);
         y_bh = trace.output;
         if (mode == 0) {
           table_bh = scale * trace.scores;  // scale Q K^T, before softcap

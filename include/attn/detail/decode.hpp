@@ -73,6 +73,78 @@ EIGEN_STRONG_INLINE void decode_scores(std::index_sequence<h...>, const T* q, In
   }
 }
 
+#if defined(EIGEN_VECTORIZE_AVX512)
+/// The sums of the 16 lanes of each of a[0..15], as one packet: lane i holds sum(a[i]). A tree of
+/// 45 shuffles and adds instead of 16 separate horizontal sums (about 8 dependent steps each):
+/// pairs of packets are interleaved and added four times, each time halving the packets while
+/// each lane gathers the partial sums of one input.
+EIGEN_STRONG_INLINE __m512 sum_lanes16(const __m512 (&a)[16]) {
+  __m512 b[8];  // per 128-bit lane: [a0_0+a0_2, a1_0+a1_2, a0_1+a0_3, a1_1+a1_3] of each pair
+  for (int i = 0; i < 8; ++i) {
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  }
+  __m512 c[4];  // per 128-bit lane: the sums over that lane of a[4i .. 4i + 3]
+  for (int i = 0; i < 4; ++i) {
+    const __m512d lo = _mm512_castps_pd(b[2 * i]);
+    const __m512d hi = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+  }
+  // Across the 128-bit lanes: [X01, X23, Y01, Y23] from X = c[0], Y = c[1]; then [X, Y, Z, W].
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/// `decode_scores` for 4 float heads on AVX-512, 4 keys at a time: the 16 (head, key) dot products
+/// accumulate in 16 registers (each query packet loaded once for 4 keys), and one `sum_lanes16`
+/// gives their 16 scores (lane 4 h + k: head h, key k), stored as 4 floats per head. Returns the
+/// number of keys done (a multiple of 4; the caller does the rest one by one).
+template <class Codec>
+EIGEN_STRONG_INLINE Index decode_scores_4x4(const float* q, Index q_stride,
+                                            const typename Codec::Bits* K_tile,
+                                            const float* k_scales, Index k_stride, Index cols,
+                                            Index d_k, float* s, Index s_stride,
+                                            const typename Codec::Bits* prefetch,
+                                            Index prefetch_rows) {
+  Index j = 0;
+  for (; j + 4 <= cols; j += 4) {
+    const typename Codec::Bits* k = K_tile + j * k_stride;
+    for (Index r = j; r < std::min(j + 4, prefetch_rows); ++r) {
+      prefetch_row(prefetch + r * k_stride, d_k);
+    }
+    __m512 acc[16];
+    for (__m512& a : acc) a = _mm512_setzero_ps();
+    for (Index c = 0; c < d_k; c += 16) {
+      const __m512 q0 = _mm512_loadu_ps(q + c);
+      const __m512 q1 = _mm512_loadu_ps(q + q_stride + c);
+      const __m512 q2 = _mm512_loadu_ps(q + 2 * q_stride + c);
+      const __m512 q3 = _mm512_loadu_ps(q + 3 * q_stride + c);
+      for (int key = 0; key < 4; ++key) {
+        const __m512 kv = load_stored<float, Codec>(k + key * k_stride + c);
+        acc[key] = _mm512_fmadd_ps(q0, kv, acc[key]);
+        acc[4 + key] = _mm512_fmadd_ps(q1, kv, acc[4 + key]);
+        acc[8 + key] = _mm512_fmadd_ps(q2, kv, acc[8 + key]);
+        acc[12 + key] = _mm512_fmadd_ps(q3, kv, acc[12 + key]);
+      }
+    }
+    __m512 sums = sum_lanes16(acc);
+    if constexpr (has_row_scales<Codec>) {
+      sums = _mm512_mul_ps(sums, _mm512_broadcast_f32x4(_mm_loadu_ps(k_scales + j)));
+    }
+    _mm_storeu_ps(s + j, _mm512_extractf32x4_ps(sums, 0));
+    _mm_storeu_ps(s + s_stride + j, _mm512_extractf32x4_ps(sums, 1));
+    _mm_storeu_ps(s + 2 * s_stride + j, _mm512_extractf32x4_ps(sums, 2));
+    _mm_storeu_ps(s + 3 * s_stride + j, _mm512_extractf32x4_ps(sums, 3));
+  }
+  return j;
+}
+#endif
+
 /// o_h = alpha_h o_h + sum_j p(h, j) V_j for heads [h0, h0 + G), over the columns [c0, c0 + C
 /// packets) of the output: the G x C packets of output stay in registers over the whole tile, each
 /// value packet is loaded (and widened) once and multiplied into the G heads. The int8 scales are
@@ -146,10 +218,28 @@ void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index col
   const Index s_stride = scratch.s.outerStride();
   const auto* K_tile = block_data(K) + j0 * K.outerStride();
   const T* k_scales = block_scales<T>(K);
-  decode_scores<T, KCodec>(heads, scratch.q_scaled.data() + h0 * scratch.q_scaled.outerStride(),
-                           scratch.q_scaled.outerStride(), K_tile,
-                           k_scales ? k_scales + j0 : nullptr, K.outerStride(), cols, d_k, s,
-                           s_stride, K_tile + cols * K.outerStride(), h0 == 0 ? next_rows : 0);
+  const T* q = scratch.q_scaled.data() + h0 * scratch.q_scaled.outerStride();
+  const Index q_stride = scratch.q_scaled.outerStride();
+  const T* scales = k_scales ? k_scales + j0 : nullptr;
+  const auto* prefetch = K_tile + cols * K.outerStride();
+  const Index prefetch_rows = h0 == 0 ? next_rows : 0;
+  Index done = 0;
+#if defined(EIGEN_VECTORIZE_AVX512)
+  // Stored (16- and 8-bit) keys only: measured on the project's machine (one thread, 1k tokens,
+  // 32 over 8 heads, d = 128), the 4 x 4 blocks took 7-9% less time than the key-by-key loop
+  // with stored keys, and about 20% more with float keys.
+  if constexpr (G == 4 && std::is_same_v<T, float> && lanes == 16 &&
+                !std::is_same_v<KCodec, SameCodec<T>>) {
+    done = decode_scores_4x4<KCodec>(q, q_stride, K_tile, scales, K.outerStride(), cols, d_k, s,
+                                     s_stride, prefetch, prefetch_rows);
+  }
+#endif
+  if (done < cols) {
+    decode_scores<T, KCodec>(heads, q, q_stride, K_tile + done * K.outerStride(),
+                             scales ? scales + done : nullptr, K.outerStride(), cols - done, d_k,
+                             s + done, s_stride, prefetch + done * K.outerStride(),
+                             std::max<Index>(prefetch_rows - done, 0));
+  }
   rule.apply_softcap(scratch.s.block(h0, 0, Index(G), cols));
 
   // 2. Online softmax (detail/online_softmax.hpp); the running output is rescaled by alpha in
@@ -227,17 +317,6 @@ void decode_blocks(ConstRef<T> q, const KBlock& K, const VBlock& V, const ScoreR
     }
   }
   scratch.state.finish(o, lse);
-}
-
-/// A block as the kernels take it: `StoredBlock`s as they are, Eigen expressions of T as one
-/// `ConstRef<T>` type (one instantiation of the kernels for all of them).
-template <class T, class Codec>
-const StoredBlock<Codec, T>& kernel_block(const StoredBlock<Codec, T>& B) {
-  return B;
-}
-template <class T>
-ConstRef<T> kernel_block(ConstRef<T> B) {
-  return B;
 }
 
 /// `decode_blocks` over keys and values of T.

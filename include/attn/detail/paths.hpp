@@ -102,7 +102,8 @@ void run_path(Path path, ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const Scor
 }
 
 /// `run_path` over keys and values in a stored format (detail/stored.hpp): the decoding path
-/// widens them in its registers; the other paths run on a copy widened to T in `scratch`.
+/// widens them in its registers, the tiled path when it packs the keys and tile by tile for the
+/// values; the materialised path (small by `choose_path`) runs on a copy widened in `scratch`.
 template <class T, class Codec>
 void run_path(Path path, ConstRef<T> Q, const StoredBlock<Codec, T>& K,
               const StoredBlock<Codec, T>& V, const ScoreRule<T>& rule, PathScratch<T>& scratch,
@@ -111,6 +112,10 @@ void run_path(Path path, ConstRef<T> Q, const StoredBlock<Codec, T>& K,
     const KeyRange keys = rule.keys(0);
     decode_blocks<T>(Q, K.middleRows(keys.begin, keys.end - keys.begin),
                      V.middleRows(keys.begin, keys.end - keys.begin), rule, scratch.decode, O, lse);
+    return;
+  }
+  if (path == Path::Tiled) {
+    flash_blocks<T>(Q, K, V, rule, FlashTiles{}, scratch.flash, O, lse);
     return;
   }
   K.widen_into(scratch.keys);
@@ -190,13 +195,14 @@ void decode_groups(Index groups, const ScoreRule<T>& rule, const QGroup& q, cons
 }
 
 /// Attention of one head on the path `choose_path` picks, the tiled path parallel over its query
-/// blocks: the entry point of the single-head calls.
-template <class T>
-void attend_one(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& rule,
+/// blocks: the entry point of the single-head calls. K and V are `ConstRef<T>`s or `StoredBlock`s
+/// (`kernel_block`: keys and values in `Eigen::half` or `Eigen::bfloat16`).
+template <class T, class KBlock, class VBlock>
+void attend_one(ConstRef<T> Q, const KBlock& K, const VBlock& V, const ScoreRule<T>& rule,
                 PathScratch<T>& scratch, Eigen::Ref<Matrix<T>> O, T* lse, bool need_weights) {
   const Path path = choose_path(rule, K.cols(), V.cols(), need_weights);
   if (path == Path::Tiled) {
-    flash_kernel<T>(Q, K, V, rule, FlashTiles{}, O, lse);
+    flash_kernel_on<T>(Q, K, V, rule, FlashTiles{}, O, lse);
   } else if (path == Path::Decode && lse == nullptr) {
     decode_groups<T>(
         1, rule, [&](Index) { return Q; }, [&](Index) { return K; }, [&](Index) { return V; },

@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -28,11 +27,11 @@ struct SameCodec {
   static constexpr KVStorage format = KVStorage::Same;
 };
 struct Float16Codec {
-  using Bits = std::uint16_t;  ///< IEEE binary16, Eigen::half's bits
+  using Bits = Eigen::half;  ///< IEEE binary16
   static constexpr KVStorage format = KVStorage::Float16;
 };
 struct BFloat16Codec {
-  using Bits = std::uint16_t;  ///< the upper half of a float (Eigen::bfloat16's bits)
+  using Bits = Eigen::bfloat16;  ///< the upper 16 bits of a float
   static constexpr KVStorage format = KVStorage::BFloat16;
 };
 struct Int8Codec {
@@ -95,15 +94,12 @@ T widen(SameCodec<T>, T x, T = T(1)) {
   return x;
 }
 template <class T>
-T widen(Float16Codec, std::uint16_t bits, T = T(1)) {
-  return T(static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(bits)));
+T widen(Float16Codec, Eigen::half x, T = T(1)) {
+  return T(static_cast<float>(x));
 }
 template <class T>
-T widen(BFloat16Codec, std::uint16_t bits, T = T(1)) {
-  const std::uint32_t word = std::uint32_t(bits) << 16;
-  float x;
-  std::memcpy(&x, &word, sizeof x);
-  return T(x);
+T widen(BFloat16Codec, Eigen::bfloat16 x, T = T(1)) {
+  return T(static_cast<float>(x));
 }
 template <class T>
 T widen(Int8Codec, std::int8_t q, T scale) {
@@ -119,16 +115,12 @@ void narrow_row(SameCodec<T>, const T* x, Index cols, T* out, T*) {
   std::copy(x, x + cols, out);
 }
 template <class T>
-void narrow_row(Float16Codec, const T* x, Index cols, std::uint16_t* out, T*) {
-  for (Index c = 0; c < cols; ++c) {
-    out[c] = Eigen::numext::bit_cast<std::uint16_t>(Eigen::half(static_cast<float>(x[c])));
-  }
+void narrow_row(Float16Codec, const T* x, Index cols, Eigen::half* out, T*) {
+  for (Index c = 0; c < cols; ++c) out[c] = Eigen::half(static_cast<float>(x[c]));
 }
 template <class T>
-void narrow_row(BFloat16Codec, const T* x, Index cols, std::uint16_t* out, T*) {
-  for (Index c = 0; c < cols; ++c) {
-    out[c] = Eigen::numext::bit_cast<std::uint16_t>(Eigen::bfloat16(static_cast<float>(x[c])));
-  }
+void narrow_row(BFloat16Codec, const T* x, Index cols, Eigen::bfloat16* out, T*) {
+  for (Index c = 0; c < cols; ++c) out[c] = Eigen::bfloat16(static_cast<float>(x[c]));
 }
 template <class T>
 void narrow_row(Int8Codec, const T* x, Index cols, std::int8_t* out, T* scale) {
@@ -206,6 +198,44 @@ struct codec_of<StoredBlock<Codec, T>, T> {
 };
 template <class Block, class T>
 using codec_of_t = typename codec_of<Block, T>::type;
+
+/// Whether keys and values of scalar type S are read through a codec (a user's `Eigen::half` or
+/// `Eigen::bfloat16` matrices), and which.
+template <class S>
+constexpr bool is_narrow_scalar_v =
+    std::is_same_v<S, Eigen::half> || std::is_same_v<S, Eigen::bfloat16>;
+template <class S>
+using codec_for_t = std::conditional_t<std::is_same_v<S, Eigen::half>, Float16Codec, BFloat16Codec>;
+
+/// Calls f(K, V) with the caller's K and V as the kernels take them: for T, as they are; for
+/// `Eigen::half` or `Eigen::bfloat16`, as `StoredBlock`s of their rows (no copy when the rows are
+/// contiguous, as in a row-major matrix; otherwise Eigen evaluates a row-major copy).
+template <class T, class DK, class DV, class F>
+decltype(auto) with_kv_blocks(const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                              F&& f) {
+  using S = typename DK::Scalar;
+  if constexpr (is_narrow_scalar_v<S>) {
+    using Rows = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    using Codec = codec_for_t<S>;
+    const Eigen::Ref<const Rows> k(K.derived());
+    const Eigen::Ref<const Rows> v(V.derived());
+    return f(StoredBlock<Codec, T>(k.data(), k.rows(), k.cols(), k.outerStride(), nullptr),
+             StoredBlock<Codec, T>(v.data(), v.rows(), v.cols(), v.outerStride(), nullptr));
+  } else {
+    return f(K, V);
+  }
+}
+
+/// A block as the kernels take it: `StoredBlock`s as they are, Eigen expressions of T as one
+/// `ConstRef<T>` type (one instantiation of the kernels for all of them).
+template <class T, class Codec>
+const StoredBlock<Codec, T>& kernel_block(const StoredBlock<Codec, T>& B) {
+  return B;
+}
+template <class T>
+ConstRef<T> kernel_block(ConstRef<T> B) {
+  return B;
+}
 
 /// The packet type the decoding kernel computes in.
 template <class T>
@@ -294,8 +324,10 @@ class StoredRows {
         same_.resize(rows, cols_);
         break;
       case KVStorage::Float16:
+        half_.resize(rows, cols_);
+        break;
       case KVStorage::BFloat16:
-        bits16_.resize(rows, cols_);
+        bfloat16_.resize(rows, cols_);
         break;
       case KVStorage::Int8:
         bits8_.resize(rows, cols_);
@@ -339,28 +371,25 @@ class StoredRows {
  private:
   T* row_data(SameCodec<T>, Index r) { return same_.data() + r * cols_; }
   const T* row_data(SameCodec<T>, Index r) const { return same_.data() + r * cols_; }
-  template <class Codec,
-            std::enable_if_t<std::is_same_v<typename Codec::Bits, std::uint16_t>, int> = 0>
-  std::uint16_t* row_data(Codec, Index r) {
-    return bits16_.data() + r * cols_;
-  }
-  template <class Codec,
-            std::enable_if_t<std::is_same_v<typename Codec::Bits, std::uint16_t>, int> = 0>
-  const std::uint16_t* row_data(Codec, Index r) const {
-    return bits16_.data() + r * cols_;
+  Eigen::half* row_data(Float16Codec, Index r) { return half_.data() + r * cols_; }
+  const Eigen::half* row_data(Float16Codec, Index r) const { return half_.data() + r * cols_; }
+  Eigen::bfloat16* row_data(BFloat16Codec, Index r) { return bfloat16_.data() + r * cols_; }
+  const Eigen::bfloat16* row_data(BFloat16Codec, Index r) const {
+    return bfloat16_.data() + r * cols_;
   }
   std::int8_t* row_data(Int8Codec, Index r) { return bits8_.data() + r * cols_; }
   const std::int8_t* row_data(Int8Codec, Index r) const { return bits8_.data() + r * cols_; }
 
-  using Bits16 = Eigen::Matrix<std::uint16_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  using Bits8 = Eigen::Matrix<std::int8_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  template <class S>
+  using Rows = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   KVStorage format_;
   Index cols_;
   Index rows_ = 0;
-  Matrix<T> same_;    ///< Same
-  Bits16 bits16_;     ///< Float16, BFloat16
-  Bits8 bits8_;       ///< Int8
-  Vector<T> scales_;  ///< Int8: one per row
+  Matrix<T> same_;                  ///< Same
+  Rows<Eigen::half> half_;          ///< Float16
+  Rows<Eigen::bfloat16> bfloat16_;  ///< BFloat16
+  Rows<std::int8_t> bits8_;         ///< Int8
+  Vector<T> scales_;                ///< Int8: one per row
 };
 
 }  // namespace detail
