@@ -451,6 +451,50 @@ TEST(NarrowKeysAndValues, EqualTheCallsOnTheWidenedFloats) {
   expect_narrow_kv_calls_match<Eigen::bfloat16>(22);
 }
 
+/// The bfloat16 arithmetic path (`set_bfloat16_arithmetic`, AVX512_BF16's vdpbf16ps) against
+/// long-double loops over what it computes with: the stored keys and values and the scaled
+/// queries rounded to bfloat16. Says which paths ran on this machine.
+TEST(KVStorageBFloat16Arithmetic, EachPathThisMachineSupports) {
+  constexpr Index d = 128;
+  KVCacheConfig<float> config;
+  config.d_k = d;
+  config.d_v = d;
+  config.kv_heads = 2;
+  config.storage = KVStorage::BFloat16;
+  KVCache<float> cache(config);
+  std::mt19937 rng(31);
+  cache.append(attn_test::random_matrix<float>(301, 2 * d, rng),
+               attn_test::random_matrix<float>(301, 2 * d, rng));
+  const Matrix<float> Q = attn_test::random_matrix<float>(1, 8 * d, rng);  // 4 heads per group
+  attn::set_bfloat16_arithmetic(false);
+  const Matrix<float> portable = cache.attend(Q);
+  attn::set_bfloat16_arithmetic(true);
+  const bool dispatched = attn::bfloat16_arithmetic();
+  const Matrix<float> chosen = cache.attend(Q);
+  attn::set_bfloat16_arithmetic(false);
+  std::printf("[ dispatch ] AVX512_BF16 %s: paths run: float%s\n",
+              attn::bfloat16_arithmetic_available() ? "available" : "not available",
+              dispatched ? ", bfloat16 (vdpbf16ps)" : "");
+  RecordProperty("bfloat16_path_ran", dispatched ? "yes" : "no");
+  EXPECT_EQ(dispatched, attn::bfloat16_arithmetic_available());
+  if (!dispatched) {
+    EXPECT_TRUE(attn_test::identical(chosen, portable))
+        << "without the instruction, the float path";
+    return;
+  }
+  EXPECT_FALSE(attn_test::identical(chosen, portable)) << "the bfloat16 path did not run";
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  for (Index h = 0; h < 8; ++h) {
+    const Matrix<float> q_rounded =
+        (scale * Q.middleCols(h * d, d)).cast<Eigen::bfloat16>().cast<float>();
+    attn::AttentionOptions<float> options;
+    options.scale = 1.0f;
+    const auto want = attn_test::naive_attention<float>(q_rounded, cache.keys(h / 4),
+                                                        cache.values(h / 4), options);
+    EXPECT_TRUE(attn_test::near_t<float>(chosen.middleCols(h * d, d), want.output)) << "head " << h;
+  }
+}
+
 TEST(KVStorageCache, ViewsOfTRowsNeedSameStorage) {
   attn::KVStore<float> store(attn::KVStoreShape{4, 4, 1, std::nullopt, 0, KVStorage::Int8});
   store.append(Matrix<float>::Ones(2, 4), Matrix<float>::Ones(2, 4));

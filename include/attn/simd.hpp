@@ -13,11 +13,16 @@
 /// each), so each set would need its own build of the kernels in its own namespace, which Eigen
 /// does not support.
 ///
+/// One exception is dispatched at run time: bfloat16 arithmetic (`set_bfloat16_arithmetic`), whose
+/// kernel is written in intrinsics only, with its instruction set named in a target attribute, so
+/// that every translation unit compiles the same code whatever its flags.
+///
 /// `simd_compiled`, `simd_available` and `simd_advice()` have internal linkage (`static`): each
 /// translation unit gets its own copy, which reports the flags that unit was compiled with. As
 /// inline functions they would be merged by the linker into one copy, the very problem above.
 
 #include <Eigen/Core>
+#include <atomic>
 #include <string>
 
 namespace attn {
@@ -134,5 +139,38 @@ static inline SimdSet simd_available() {
 /// sentence, e.g. "attn: compiled for SSE2 but this CPU has AVX-512: link attn::native (CMake) or
 /// compile with -march=native for the faster kernels". A program may print it at start.
 static inline std::string simd_advice() { return simd_advice(simd_compiled(), simd_available()); }
+
+/// Whether this CPU runs AVX512_BF16's `vdpbf16ps` (on x86 with GCC or Clang, from
+/// `__builtin_cpu_supports`; false elsewhere). Asked once.
+inline bool bfloat16_arithmetic_available() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+  }();
+  return yes;
+#else
+  return false;
+#endif
+}
+
+namespace detail {
+inline std::atomic<bool>& bfloat16_arithmetic_flag() {
+  static std::atomic<bool> enabled{false};
+  return enabled;
+}
+}  // namespace detail
+
+/// Opt in (or out) of bfloat16 arithmetic, for the whole program (off by default). When on and
+/// `bfloat16_arithmetic_available()`, a decoding step over keys kept in `KVStorage::BFloat16`
+/// (4 query heads per key/value head, d_k a multiple of 32, float) computes its scores with
+/// `vdpbf16ps`: the queries are rounded to bfloat16 too, so the scores carry that rounding as
+/// well (tests/kv_storage_test.cpp bounds it); elsewhere, or when off, the float path runs.
+inline void set_bfloat16_arithmetic(bool enabled) { detail::bfloat16_arithmetic_flag() = enabled; }
+
+/// Whether the bfloat16 path runs: asked for (`set_bfloat16_arithmetic`) and available.
+inline bool bfloat16_arithmetic() {
+  return detail::bfloat16_arithmetic_flag().load() && bfloat16_arithmetic_available();
+}
 
 }  // namespace attn
