@@ -152,6 +152,18 @@ void BM_Flash(benchmark::State& state) {
       state, [&] { attn::flash_attention(c.Q, c.K, c.V, c.options, c.O); }, c.O.data(), c.flops());
 }
 
+/// `BM_Flash<float>` with the keys and values in bfloat16 (`Eigen::bfloat16` matrices, what a
+/// prefill over a `KVStorage::BFloat16` cache reads): widened when the keys are packed and tile by
+/// tile for the values, then the float kernel's arithmetic.
+void BM_FlashBFloat16Keys(benchmark::State& state) {
+  Single<float> c(state, true);
+  using Rows = Eigen::Matrix<Eigen::bfloat16, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const Rows K = c.K.cast<Eigen::bfloat16>();
+  const Rows V = c.V.cast<Eigen::bfloat16>();
+  time_calls(
+      state, [&] { attn::flash_attention(c.Q, K, V, c.options, c.O); }, c.O.data(), c.flops());
+}
+
 template <class T>
 void BM_AttentionNaive(benchmark::State& state) {
   Single<T> c(state, false);
@@ -210,6 +222,10 @@ BENCHMARK(BM_Flash<float>)
     ->UseRealTime();
 BENCHMARK(BM_Flash<float>)
     ->ArgsProduct({{2048, 4096}, {64}, {1}, {256}})
+    ->ArgNames({"n", "d", "causal", "window"})
+    ->UseRealTime();
+BENCHMARK(BM_FlashBFloat16Keys)
+    ->ArgsProduct({{512, 2048}, {64, 128}, {0, 1}, {0}})
     ->ArgNames({"n", "d", "causal", "window"})
     ->UseRealTime();
 BENCHMARK(BM_Flash<double>)

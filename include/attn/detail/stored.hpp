@@ -171,15 +171,9 @@ class StoredBlock {
     return widen<T>(Codec{}, data_[j * stride_ + c], scale(j));
   }
 
-  /// The rows widened into `out` (resized to rows() x cols()).
-  void widen_into(Matrix<T>& out) const {
-    out.resize(rows_, cols_);
-    for (Index j = 0; j < rows_; ++j) {
-      const Bits* row = data_ + j * stride_;
-      const T s = scale(j);
-      for (Index c = 0; c < cols_; ++c) out(j, c) = widen<T>(Codec{}, row[c], s);
-    }
-  }
+  /// The rows widened into `out` (resized to rows() x cols()), a packet at a time
+  /// (`load_stored`).
+  void widen_into(Matrix<T>& out) const;
 
  private:
   const Bits* data_;
@@ -298,6 +292,27 @@ EIGEN_STRONG_INLINE StoredPacket<T> load_stored(const typename Codec::Bits* p) {
     alignas(64) T widened[static_cast<std::size_t>(lanes)];
     for (Index i = 0; i < lanes; ++i) widened[i] = widen<T>(Codec{}, p[i], T(1));
     return Eigen::internal::pload<Packet>(widened);
+  }
+}
+
+template <class Codec, class T>
+void StoredBlock<Codec, T>::widen_into(Matrix<T>& out) const {
+  constexpr Index lanes = Eigen::internal::packet_traits<T>::size;
+  out.resize(rows_, cols_);
+  for (Index j = 0; j < rows_; ++j) {
+    const Bits* row = data_ + j * stride_;
+    T* to = out.data() + j * out.outerStride();
+    const T s = scale(j);
+    Index c = 0;
+    if constexpr (!std::is_same_v<Codec, SameCodec<T>>) {
+      const auto factor = Eigen::internal::pset1<StoredPacket<T>>(s);
+      for (; c + lanes <= cols_; c += lanes) {
+        auto packet = load_stored<T, Codec>(row + c);
+        if constexpr (has_row_scales<Codec>) packet = Eigen::internal::pmul(factor, packet);
+        Eigen::internal::pstoreu(to + c, packet);
+      }
+    }
+    for (; c < cols_; ++c) to[c] = widen<T>(Codec{}, row[c], s);
   }
 }
 
