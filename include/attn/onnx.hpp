@@ -587,16 +587,21 @@ Outputs<T> attention(const Inputs<T>& inputs, const Attributes& attributes = {},
       const bool stored = storage != KVStorage::Same;
       if (stored && stored_head != b * s.kv_heads + kv_h) {
         stored_head = b * s.kv_heads + kv_h;
+        // The widened copies only for the tables' path, which takes T.
         if (storage == KVStorage::Float16) {
           k_half = k_bh.template cast<Eigen::half>();
           v_half = v_bh.template cast<Eigen::half>();
-          k_round = k_half.template cast<T>();
-          v_round = v_half.template cast<T>();
+          if (request.qk_matmul_output) {
+            k_round = k_half.template cast<T>();
+            v_round = v_half.template cast<T>();
+          }
         } else {
           k_bf16 = k_bh.template cast<Eigen::bfloat16>();
           v_bf16 = v_bh.template cast<Eigen::bfloat16>();
-          k_round = k_bf16.template cast<T>();
-          v_round = v_bf16.template cast<T>();
+          if (request.qk_matmul_output) {
+            k_round = k_bf16.template cast<T>();
+            v_round = v_bf16.template cast<T>();
+          }
         }
       }
       if (!request.qk_matmul_output) {
