@@ -36,6 +36,7 @@
 
 #include "attn_examples/page_files.hpp"  // generated from page/ at build time
 #include "documents.hpp"                 // three_tokens(), for the step-through
+#include "exam_traps.hpp"                // the exam-trap panel of the step-through
 
 namespace attn_examples {
 
@@ -229,7 +230,8 @@ inline const char* illustrative_note() {
 
 /// The data the page embeds, as JSON: for "tired" and "wide", the words, X, both layers' weights
 /// and X1; the model's matrices and feature names; the 3-token example's `attn::trace_attention`
-/// (scores, scaled, row_max, exp, row_sum, weights, output and its Q, K, V).
+/// (scores, scaled, row_max, exp, row_sum, weights, output and its Q, K, V); and the exam traps
+/// (exam_traps.hpp: the document's sentences, the 3-token and "I love AI" tables of each trap).
 inline std::string page_data_json() {
   using detail::json_matrix;
   using detail::json_string;
@@ -263,7 +265,23 @@ inline std::string page_data_json() {
           ",\"row_max\":" + json_vector(trace.row_max) + ",\"exp\":" + json_matrix(trace.exp) +
           ",\"row_sum\":" + json_vector(trace.row_sum) +
           ",\"weights\":" + json_matrix(trace.weights) +
-          ",\"output\":" + json_matrix(trace.output) + "}}";
+          ",\"output\":" + json_matrix(trace.output) + "}";
+  const ThreeTokenTraps traps = three_token_traps();
+  const ILoveAiTraps love = i_love_ai_traps();
+  json += ",\"traps\":{\"sentences\":" + detail::json_strings(exam_trap_sentences()) +
+          ",\"three_tokens\":{\"unscaled_weights\":" + json_matrix(traps.unscaled_weights) +
+          ",\"column_weights\":" + json_matrix(traps.column_weights) +
+          ",\"column_row_sums\":" + json_vector(traps.column_weights.rowwise().sum()) +
+          ",\"column_output\":" + json_matrix(traps.column_output) +
+          ",\"reversed_output\":" + json_matrix(traps.reversed_output) +
+          ",\"average_of_queries\":" + json_matrix(traps.average_of_queries) +
+          ",\"average_of_keys\":" + json_matrix(traps.average_of_keys) +
+          ",\"self_masked_weights\":" + json_matrix(traps.self_masked_weights) +
+          ",\"self_masked_output\":" + json_matrix(traps.self_masked_output) +
+          "},\"i_love_ai\":{\"words\":" + detail::json_strings(ILoveAi().words) +
+          ",\"weights\":" + json_matrix(love.weights) + ",\"output\":" + json_matrix(love.output) +
+          ",\"shared_weights\":" + json_matrix(love.shared_weights) +
+          ",\"shared_output\":" + json_matrix(love.shared_output) + "}}}";
   return json;
 }
 

@@ -8,6 +8,7 @@
 #include <attn/attn.hpp>
 #include <attn/render.hpp>
 #include <cctype>
+#include <cmath>
 #include <cstddef>
 #include <limits>
 #include <map>
@@ -482,6 +483,35 @@ TEST(RenderHtml, PageIsSelfContainedAndSaysTheWeightsAreIllustrative) {
   EXPECT_EQ(html.find("{{"), std::string::npos);
   EXPECT_NE(html.find(attn_examples::page_files::page_css), std::string::npos);
   EXPECT_NE(html.find(attn_examples::page_files::page_js), std::string::npos);
+}
+
+TEST(RenderHtml, PageEmbedsTheExamTraps) {
+  const nlohmann::json traps = page_data(attn_examples::attention_page_html()).at("traps");
+  EXPECT_EQ(traps.at("sentences").size(), 6U);
+  EXPECT_NE(traps.at("sentences").at(1).get<std::string>().find("not down a column"),
+            std::string::npos);
+  const nlohmann::json& three = traps.at("three_tokens");
+  // Recomputed here from the definitions, with plain Eigen and std::exp.
+  const attn::QKV<double> t = attn_examples::three_tokens();
+  const Matrix S = t.Q * t.K.transpose() / std::sqrt(2.0);
+  Matrix columns = S.array().exp().matrix();
+  for (Index j = 0; j < columns.cols(); ++j) columns.col(j) /= columns.col(j).sum();
+  EXPECT_LT((from_json(three.at("column_weights")) - columns).cwiseAbs().maxCoeff(), 1e-15);
+  EXPECT_LT((from_json(three.at("column_output")) - columns * t.V).cwiseAbs().maxCoeff(), 1e-15);
+  Matrix itself = S.array().exp().matrix();
+  itself.diagonal().setZero();
+  for (Index i = 0; i < itself.rows(); ++i) itself.row(i) /= itself.row(i).sum();
+  EXPECT_LT((from_json(three.at("self_masked_weights")) - itself).cwiseAbs().maxCoeff(), 1e-15);
+  EXPECT_LT((from_json(three.at("self_masked_output")) - itself * t.V).cwiseAbs().maxCoeff(),
+            1e-15);
+  // The tokens reversed give the same rows, reversed.
+  const Matrix reversed = from_json(three.at("reversed_output"));
+  const attn::Attention<double> a = attn::attention_with_weights(t.Q, t.K, t.V);
+  EXPECT_LT((reversed.colwise().reverse() - a.output).cwiseAbs().maxCoeff(), 1e-15);
+  // "I love AI" with W_q reused: "I" puts 2.9% on "love" (the document's 80%).
+  const nlohmann::json& love = traps.at("i_love_ai");
+  EXPECT_NEAR(from_json(love.at("weights"))(0, 1), 0.7952, 1e-4);
+  EXPECT_NEAR(from_json(love.at("shared_weights"))(0, 1), 0.0287, 1e-4);
 }
 
 TEST(RenderHtml, PageTemplateMarkers) {

@@ -1,7 +1,7 @@
 (function () {
   'use strict';
   var data = JSON.parse(document.getElementById('attn-data').textContent);
-  var state = { last: 'tired', layer: 2, word: null, step: 0 };
+  var state = { last: 'tired', layer: 2, word: null, step: 0, trap: null };
   var $ = function (id) { return document.getElementById(id); };
   function el(tag, cls, text) {
     var e = document.createElement(tag);
@@ -76,8 +76,11 @@
     var s = x.toFixed(4);
     return s === '-0.0000' ? '0.0000' : s;
   }
-  function matrixTable(caption, M, cols, extra) {
-    var table = el('table', 'matrix');
+  // caption, M (rows of numbers), column labels; optional extra column {name, values}, row
+  // labels (default token 1..3) and a class ('wrong' or 'right').
+  function matrixTable(caption, M, cols, extra, rows, cls) {
+    var labels = rows || tokens;
+    var table = el('table', 'matrix' + (cls ? ' ' + cls : ''));
     table.appendChild(el('caption', '', caption));
     var head = el('tr');
     head.appendChild(el('th', '', ''));
@@ -86,7 +89,7 @@
     table.appendChild(head);
     M.forEach(function (r, i) {
       var tr = el('tr');
-      tr.appendChild(el('th', '', tokens[i]));
+      tr.appendChild(el('th', '', labels[i]));
       r.forEach(function (x) { tr.appendChild(el('td', '', num(x))); });
       if (extra) tr.appendChild(el('td', '', num(extra.values[i])));
       table.appendChild(tr);
@@ -128,6 +131,71 @@
     $('steps').setAttribute('data-step', String(state.step));
   }
 
+  // --- the exam traps: a toggle per trap of the first document, wrong beside right ------------
+  var tt = data.traps.three_tokens, love = data.traps.i_love_ai;
+  function rowSums(M) { return M.map(function (r) { return r.reduce(function (a, b) { return a + b; }, 0); }); }
+  var traps = [
+    { key: 'scale', label: '1 \u221ad_k',
+      text: 'Without \u00f7\u221a' + t.d_k + ' every row\u2019s largest weight grows (token 3: ' + num(Math.max.apply(null, t.weights[2])) +
+            ' \u2192 ' + num(Math.max.apply(null, tt.unscaled_weights[2])) + '). The dot products grow with d_k, and so does the effect: ' +
+            'the walkthrough\u2019s Part 6 measures it up to d_k = 1024, where the unscaled weights are nearly one-hot and the gradient vanishes.',
+      tables: function () { return [matrixTable('weights of Q K\u1d40 (wrong)', tt.unscaled_weights, keys, null, null, 'wrong'),
+                                    matrixTable('weights of Q K\u1d40 / \u221ad_k (right)', t.weights, keys, null, null, 'right')]; } },
+    { key: 'columns', label: '2 per row',
+      text: 'Softmax down each column makes each key\u2019s weights sum to 1, not each token\u2019s: the rows sum to ' +
+            tt.column_row_sums.map(num).join(', ') + ', so weights \u00b7 V is no longer an average of the values.',
+      tables: function () { return [matrixTable('softmax per column (wrong)', tt.column_weights, keys, { name: 'row sum', values: tt.column_row_sums }, null, 'wrong'),
+                                    matrixTable('softmax per row (right)', t.weights, keys, { name: 'row sum', values: rowSums(t.weights) }, null, 'right')]; } },
+    { key: 'order', label: '3 order',
+      text: 'The same tokens in the order 3, 2, 1, without positions: the same output rows, in reverse order. ' +
+            'Nothing in the calculation knows which token came first (the walkthrough\u2019s Part 5 adds positions).',
+      tables: function () { return [matrixTable('outputs, order 3, 2, 1', tt.reversed_output, dims, null, ['token 3', 'token 2', 'token 1'], 'wrong'),
+                                    matrixTable('outputs, order 1, 2, 3', t.output, dims, null, null, 'right')]; } },
+    { key: 'values', label: '4 values',
+      text: 'The same weights applied to the queries, the keys and the values. Queries and keys are used up in making the weights; ' +
+            'the values are what a token hands on, so the output is weights \u00b7 V. (Here Q = K, so the first two agree.)',
+      tables: function () { return [matrixTable('weights \u00b7 Q (wrong)', tt.average_of_queries, dims, null, null, 'wrong'),
+                                    matrixTable('weights \u00b7 K (wrong)', tt.average_of_keys, dims, null, null, 'wrong'),
+                                    matrixTable('weights \u00b7 V (right)', t.output, dims, null, null, 'right')]; } },
+    { key: 'matrices', label: '5 three matrices',
+      text: 'The 3 tokens are given as Q, K and V directly, with no W matrices, so this trap uses the second document\u2019s \u201cI love AI\u201d: ' +
+            'with W_q reused for all three, \u201cI\u201d puts ' + pct(love.shared_weights[0][1]) + ' on \u201clove\u201d instead of ' +
+            pct(love.weights[0][1]) + ', and each word\u2019s largest weight is on itself.',
+      tables: function () { return [matrixTable('weights, W_q reused (wrong)', love.shared_weights, love.words, null, love.words, 'wrong'),
+                                    matrixTable('weights, W_q W_k W_v (right)', love.weights, love.words, null, love.words, 'right')]; } },
+    { key: 'itself', label: '6 itself',
+      text: 'A token attends to itself: its own weight is on the diagonal (' + t.weights.map(function (r, i) { return num(r[i]); }).join(', ') +
+            '). Masked out, tokens 1 and 2 change; token 3 does not, since V3 is the average of V1 and V2.',
+      tables: function () { return [matrixTable('weights, itself masked (wrong)', tt.self_masked_weights, keys, null, null, 'wrong'),
+                                    matrixTable('output', tt.self_masked_output, dims, null, null, 'wrong'),
+                                    matrixTable('weights (right)', t.weights, keys, null, null, 'right'),
+                                    matrixTable('output', t.output, dims, null, null, 'right')]; } }
+  ];
+  function trapByKey(key) {
+    for (var k = 0; k < traps.length; k++) if (traps[k].key === key) return k;
+    return -1;
+  }
+  function renderTraps() {
+    var box = $('trap-toggles');
+    if (!box.firstChild) {
+      traps.forEach(function (trap) {
+        var b = el('button', 'toggle', trap.label);
+        b.type = 'button';
+        b.id = 'trap-' + trap.key;
+        b.addEventListener('click', function () { state.trap = state.trap === trap.key ? null : trap.key; update(); });
+        box.appendChild(b);
+      });
+    }
+    traps.forEach(function (trap) { $('trap-' + trap.key).setAttribute('aria-pressed', String(state.trap === trap.key)); });
+    var k = trapByKey(state.trap);
+    $('traps').setAttribute('data-trap', k < 0 ? '' : state.trap);
+    $('trap-sentence').textContent = k < 0 ? '' : data.traps.sentences[k];
+    $('trap-text').textContent = k < 0 ? 'Switch a trap on.' : traps[k].text;
+    var tables = $('trap-tables');
+    tables.textContent = '';
+    if (k >= 0) traps[k].tables().forEach(function (tb) { tables.appendChild(tb); });
+  }
+
   // --- embeddings (illustrative) -------------------------------------------------------------
   function renderEmbeddings() {
     var box = $('embeddings');
@@ -161,6 +229,7 @@
     if (params.last === 'tired' || params.last === 'wide') state.last = params.last;
     if (params.layer === '1' || params.layer === '2') state.layer = Number(params.layer);
     if (params.step !== undefined && /^\d+$/.test(params.step)) state.step = Number(params.step);
+    if (params.trap !== undefined) state.trap = trapByKey(params.trap) < 0 ? null : params.trap;
     if (params.word !== undefined) {
       var words = data.sentences[state.last].words;
       var k = words.indexOf(params.word);
@@ -174,9 +243,10 @@
     var parts = [];
     if (state.word !== null) parts.push('word=' + encodeURIComponent(words[state.word]));
     parts.push('last=' + state.last, 'layer=' + state.layer, 'step=' + state.step);
+    if (state.trap !== null) parts.push('trap=' + state.trap);
     try { history.replaceState(null, '', '#' + parts.join('&')); } catch (e) { /* file: URLs */ }
   }
-  function update() { renderToggles(); renderWords(); renderStep(); writeHash(); }
+  function update() { renderToggles(); renderWords(); renderStep(); renderTraps(); writeHash(); }
 
   ['tired', 'wide'].forEach(function (w) {
     $('last-' + w).addEventListener('click', function () { state.last = w; update(); });
@@ -186,12 +256,13 @@
   });
   $('step-prev').addEventListener('click', function () { state.step -= 1; update(); });
   $('step-next').addEventListener('click', function () { state.step += 1; update(); });
-  window.addEventListener('hashchange', function () { readHash(); renderToggles(); renderWords(); renderStep(); });
+  window.addEventListener('hashchange', function () { readHash(); renderToggles(); renderWords(); renderStep(); renderTraps(); });
   $('library').textContent = data.library;
   readHash();
   renderEmbeddings();
   renderToggles();
   renderWords();
   renderStep();
+  renderTraps();
   document.body.setAttribute('data-ready', 'true');
 })();

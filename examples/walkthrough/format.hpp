@@ -49,6 +49,15 @@ inline std::string four_places(double x) { return fixed(x, 4); }
 /// A weight: 4 decimals, but a weight that is exactly 0 (a masked key) prints as "0".
 inline std::string weight_figure(double x) { return x == 0.0 ? "0" : four_places(x); }
 
+/// "1.71e-01": 3 significant digits, as C's printf("%.2e") and Python's f"{x:.2e}" write it.
+inline std::string scientific(double x) {
+  std::ostringstream out;
+  out.setf(std::ios::scientific);
+  out.precision(2);
+  out << x;
+  return out.str();
+}
+
 /// "=" when the printed 4-decimal figure is the exact value (e^0 = 1), "≈" otherwise.
 inline std::string equals_or_approx(double x) { return std::stod(fixed(x, 4)) == x ? "=" : "≈"; }
 
@@ -152,19 +161,29 @@ inline void print_heading(const std::string& title) {
   std::cout << "\n" << title << "\n" << std::string(title.size(), '=') << "\n\n";
 }
 
+/// How many columns `text` takes on a terminal: its UTF-8 characters ("·" and "√" count one).
+inline std::size_t display_width(const std::string& text) {
+  std::size_t width = 0;
+  for (const char c : text) width += (static_cast<unsigned char>(c) & 0xC0) == 0x80 ? 0 : 1;
+  return width;
+}
+
 /// Prints `rows` as left-aligned columns two spaces apart (the document's tab-separated table).
 inline void print_table(const std::vector<std::vector<std::string>>& rows) {
   std::vector<std::size_t> widths;
   for (const auto& row : rows) {
     widths.resize(std::max(widths.size(), row.size()));
-    for (std::size_t c = 0; c < row.size(); ++c) widths[c] = std::max(widths[c], row[c].size());
+    for (std::size_t c = 0; c < row.size(); ++c) {
+      widths[c] = std::max(widths[c], display_width(row[c]));
+    }
   }
   for (const auto& row : rows) {
     std::string line;
     for (std::size_t c = 0; c < row.size(); ++c) {
       line += row[c];
-      if (c + 1 < row.size()) line += std::string(widths[c] - row[c].size() + 2, ' ');
+      if (c + 1 < row.size()) line += std::string(widths[c] - display_width(row[c]) + 2, ' ');
     }
+    line.erase(line.find_last_not_of(' ') + 1);
     std::cout << line << "\n";
   }
 }

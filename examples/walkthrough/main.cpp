@@ -30,7 +30,7 @@
 namespace {
 
 constexpr const char* usage =
-    "usage: attn-walkthrough [--help]\n"
+    "usage: attn-walkthrough [--help] [--svg DIR] [--html FILE]\n"
     "\n"
     "Walks through both teaching documents' self-attention calculations, computed live by the\n"
     "attn library and printed in the documents' own layout:\n"
@@ -42,6 +42,8 @@ constexpr const char* usage =
     "          sinusoidal encoding and with RoPE\n"
     "  Part 6  gradients: why the scores are divided by sqrt(d_k) (the softmax's gradient with\n"
     "          and without it, d_k = 16 to 1024), and one attention layer trained by SGD\n"
+    "  Part 7  the first document's six exam traps, each computed on the documents' numbers\n"
+    "          as the wrong way beside the right way\n"
     "\n"
     "options:\n"
     "  -h, --help     print this help and exit\n"
@@ -134,6 +136,7 @@ int main(int argc, char** argv) {
     walkthrough::part4();
     walkthrough::part5();
     walkthrough::part6();
+    walkthrough::part7();
   } catch (const std::exception& error) {
     std::cerr << "attn-walkthrough: " << error.what() << "\n";
     return 1;

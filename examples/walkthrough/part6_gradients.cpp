@@ -68,15 +68,6 @@ double median(std::vector<double> values) {
   return values.size() % 2 == 1 ? values[half] : 0.5 * (values[half - 1] + values[half]);
 }
 
-/// "1.71e-01": 3 significant digits, as C's printf("%.2e") and Python's f"{x:.2e}" write it.
-std::string scientific(double x) {
-  std::ostringstream out;
-  out.setf(std::ios::scientific);
-  out.precision(2);
-  out << x;
-  return out.str();
-}
-
 // ---------------------------------------------------------------------------------------------
 // The trap
 // ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 #pragma once
 /// \file walkthrough.hpp
-/// What the files of `attn-walkthrough` share: the six parts (one file each), the first
+/// What the files of `attn-walkthrough` share: the seven parts (one file each), the first
 /// document's steps that Part 3 repeats with a causal mask, Part 4's input and Part 6's
 /// measurement that the pictures draw again, and the pictures themselves. main.cpp reads the
 /// command line and calls them.
@@ -19,6 +19,8 @@
 /// - Part 6 (part6_gradients.cpp): gradients: the first document's trap (without 1/√d_k the
 ///   softmax goes one-hot and its gradient vanishes as d_k grows) measured for d_k = 16 to 1024,
 ///   and one causal self-attention layer trained by SGD (`attn::attention_backward`).
+/// - Part 7 (part7_exam_traps.cpp): the first document's six exam traps in its order, each
+///   computed on the documents' numbers (../exam_traps.hpp) as the wrong way beside the right way.
 /// - Pictures (pictures.cpp, with line_chart.hpp): `--svg DIR` and `--html FILE`.
 ///
 /// The documents' inputs are typed in once, in documents.hpp (the 3 tokens, "I love AI") or in the
@@ -49,6 +51,7 @@ void part3();  ///< the same 3 tokens with a causal mask
 void part4();  ///< multi-head attention (the second document's nn.MultiheadAttention)
 void part5();  ///< positions ("dog bites man" vs "man bites dog")
 void part6();  ///< gradients: why 1/√d_k, and one attention layer trained by SGD
+void part7();  ///< the first document's six exam traps, computed live
 
 // ---------------------------------------------------------------------------------------------
 // The first document's steps (part1_three_tokens.cpp), repeated by Part 3
