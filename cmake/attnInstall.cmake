@@ -2,7 +2,8 @@
 # attnConfig.cmake and its version file. attn::native needs nothing more than attn::attn (its flag
 # is a generator expression evaluated for the consumer's compiler), so it shares attnTargets.cmake
 # and is always there. attn::openmp has an export file of its own, which attnConfig.cmake loads
-# (and finds OpenMP for) only when the consumer asks for the openmp component.
+# (and finds OpenMP for) only when the consumer asks for the openmp component; so has
+# attn::distributed (MPI), installed when this build found MPI.
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
@@ -15,6 +16,12 @@ install(TARGETS attn_openmp EXPORT attnOpenMPTargets)
 install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/attn" DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}")
 install(EXPORT attnTargets NAMESPACE attn:: DESTINATION "${ATTN_INSTALL_CMAKEDIR}")
 install(EXPORT attnOpenMPTargets NAMESPACE attn:: DESTINATION "${ATTN_INSTALL_CMAKEDIR}")
+# attn::distributed (MPI), when this build found MPI: an export file of its own, loaded by
+# attnConfig.cmake (which finds MPI for it) when the consumer asks for the distributed component.
+if(TARGET attn_distributed)
+  install(TARGETS attn_distributed EXPORT attnDistributedTargets)
+  install(EXPORT attnDistributedTargets NAMESPACE attn:: DESTINATION "${ATTN_INSTALL_CMAKEDIR}")
+endif()
 
 configure_package_config_file(
   "${PROJECT_SOURCE_DIR}/cmake/attnConfig.cmake.in"

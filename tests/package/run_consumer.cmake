@@ -184,4 +184,24 @@ if(result EQUAL 0 OR NOT err_one_line MATCHES "${expected}")
                       "'${expected}'; the configure returned ${result}:\n${out}\n${err}")
 endif()
 message("without OpenMP: asking for attn::openmp fails, naming OpenMP")
+# attn::distributed, built where MPI was found: 2 ranks (oversubscribed on a smaller machine;
+# Open MPI's settings for running as root, as CI does) print the 3 tokens' outputs, token 1 on
+# rank 0 and tokens 2 and 3 on rank 1, the first document's [0.6017, 0.3983] ... [0.5000, 0.5000].
+if(EXISTS "${build}/consumer_distributed")
+  find_program(mpiexec NAMES mpiexec mpirun REQUIRED)
+  set(ENV{OMPI_MCA_rmaps_base_oversubscribe} 1)
+  set(ENV{OMPI_ALLOW_RUN_AS_ROOT} 1)
+  set(ENV{OMPI_ALLOW_RUN_AS_ROOT_CONFIRM} 1)
+  set(ENV{OMP_NUM_THREADS} 1)
+  run("${mpiexec}" -n 2 "${build}/consumer_distributed")
+  foreach(line "rank 0: token 1 -> [0.6017, 0.3983]" "rank 1: token 2 -> [0.3983, 0.6017]"
+               "rank 1: token 3 -> [0.5000, 0.5000]")
+    string(FIND "${run_output}" "${line}" position)
+    if(position EQUAL -1)
+      message(FATAL_ERROR "consumer_distributed did not print '${line}':\n${run_output}")
+    endif()
+  endforeach()
+  message("attn::distributed: ring_attention on 2 ranks printed the document's outputs")
+endif()
+
 message("package test passed")

@@ -1,0 +1,667 @@
+#pragma once
+/// \file distributed.hpp
+/// `ring_attention`: attention over a sequence split across the processes of an MPI communicator
+/// (sequence parallelism, "ring attention": Liu, Zaharia and Abbeel 2023). Each rank holds a
+/// contiguous block of the sequence's rows, in rank order; key/value blocks travel around the ring
+/// with non-blocking sends and receives while the tiled kernel (`flash_attention`) works on the
+/// block in hand, and each rank merges its partial results by log-sum-exp in a fixed order (the
+/// ring's), so the result does not depend on timing.
+///
+/// Optional: not in the umbrella header `attn.hpp`. It needs MPI (`<mpi.h>`); the CMake package
+/// offers it as the target `attn::distributed` when MPI is found.
+///
+/// With a causal mask, contiguous blocks would leave rank 0 one block of work and the last rank
+/// all of them. The call then deals the sequence out again ("zigzag", as ring-flash-attention
+/// does): the rows are cut into 2P chunks and rank r computes chunks r and 2P-1-r, one early and
+/// one late, so every rank has about the same work; the rows go back to their owners at the end.
+/// A key/value block travels only as far as a rank that needs it, and pairs of a query chunk and
+/// a key chunk that no query can see (above the diagonal, outside a window) are never computed.
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "detail/online_softmax.hpp"
+#include "detail/score_rule.hpp"
+#include "error.hpp"
+#include "flash.hpp"
+#include "tensor.hpp"
+#include "types.hpp"
+
+namespace attn {
+
+/// What one rank's `ring_attention` call did (the overloads taking a `RingStats&`): for
+/// benchmarks and for the fraction of the communication hidden behind compute.
+struct RingStats {
+  int ranks = 0;                             ///< processes in the communicator
+  bool zigzag = false;                       ///< whether the rows were dealt out again (causal)
+  double compute_seconds = 0;                ///< in the tiled kernel and the merges
+  double wait_seconds = 0;                   ///< waiting for a block still in flight (not hidden)
+  double redistribute_seconds = 0;           ///< dealing the rows out and back (zigzag only)
+  std::int64_t ring_bytes_sent = 0;          ///< key/value bytes this rank sent around the ring
+  std::int64_t redistribute_bytes_sent = 0;  ///< bytes this rank sent to deal rows out and back
+  Index pairs_computed = 0;  ///< (query chunk, key chunk) pairs computed, all heads counted once
+  Index pairs_skipped = 0;   ///< pairs no query of the chunk could see
+};
+
+namespace detail {
+
+/// The MPI datatype of a scalar that `ring_attention` sends.
+template <class S>
+MPI_Datatype mpi_datatype() {
+  if constexpr (std::is_same_v<S, float>) {
+    return MPI_FLOAT;
+  } else if constexpr (std::is_same_v<S, double>) {
+    return MPI_DOUBLE;
+  } else {
+    static_assert(std::is_same_v<S, unsigned char>, "ring_attention: float or double only");
+    return MPI_UNSIGNED_CHAR;
+  }
+}
+
+/// Raises an MPI error code as a `std::runtime_error` naming the call.
+inline void mpi_check(int code, const char* call) {
+  if (code == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  throw std::runtime_error(std::string("attn::ring_attention: ") + call +
+                           " failed: " + std::string(text, static_cast<std::size_t>(length)));
+}
+
+/// Sorted, disjoint half-open ranges [first, second) of global row indices.
+using RowRanges = std::vector<std::pair<Index, Index>>;
+
+/// Which global rows each rank holds, in the order it stores them (its ranges, ascending).
+struct RowLayout {
+  std::vector<RowRanges> of_rank;
+
+  /// The number of rows rank r holds.
+  Index rows(int r) const {
+    Index count = 0;
+    for (const auto& [begin, end] : of_rank[static_cast<std::size_t>(r)]) count += end - begin;
+    return count;
+  }
+  /// Where global row g is stored on rank r (g must be one of its rows).
+  Index local_index(int r, Index g) const {
+    Index offset = 0;
+    for (const auto& [begin, end] : of_rank[static_cast<std::size_t>(r)]) {
+      if (g < end) return offset + (g - begin);
+      offset += end - begin;
+    }
+    ATTN_ASSERT(false);
+    return -1;
+  }
+};
+
+/// Each rank's own block, in rank order: rank r holds rows [sum of counts before r, + counts[r]).
+inline RowLayout contiguous_layout(const std::vector<Index>& counts) {
+  RowLayout layout;
+  Index begin = 0;
+  for (const Index count : counts) {
+    layout.of_rank.push_back(count > 0 ? RowRanges{{begin, begin + count}} : RowRanges{});
+    begin += count;
+  }
+  return layout;
+}
+
+/// The zigzag deal of `total` rows over `ranks` ranks: 2 ranks chunks of (almost) equal size,
+/// chunk c = [c total / 2P, (c + 1) total / 2P); rank r holds chunks r and 2P - 1 - r.
+inline RowLayout zigzag_layout(Index total, int ranks) {
+  const Index chunks = 2 * static_cast<Index>(ranks);
+  const auto bound = [&](Index c) { return c * total / chunks; };
+  RowLayout layout;
+  for (int r = 0; r < ranks; ++r) {
+    RowRanges ranges;
+    for (const Index c : {static_cast<Index>(r), chunks - 1 - r}) {
+      if (bound(c + 1) > bound(c)) ranges.emplace_back(bound(c), bound(c + 1));
+    }
+    layout.of_rank.push_back(ranges);
+  }
+  return layout;
+}
+
+/// The rows both range lists hold, ascending.
+inline RowRanges intersect(const RowRanges& a, const RowRanges& b) {
+  RowRanges both;
+  for (const auto& [a_begin, a_end] : a) {
+    for (const auto& [b_begin, b_end] : b) {
+      const Index begin = std::max(a_begin, b_begin);
+      const Index end = std::min(a_end, b_end);
+      if (begin < end) both.emplace_back(begin, end);
+    }
+  }
+  std::sort(both.begin(), both.end());
+  return both;
+}
+
+/// An element count as the `int` MPI takes. \throws shape_error past INT_MAX.
+inline int mpi_count(Index count) {
+  if (count > static_cast<Index>(INT_MAX)) {
+    fail("ring_attention", "a message of ", count, " elements exceeds MPI's int count");
+  }
+  return static_cast<int>(count);
+}
+
+/// Moves the rows of a row-major table of `width` columns from layout `from` to layout `to`
+/// (one MPI_Alltoallv). `in` holds this rank's rows under `from`, `out` receives them under `to`.
+/// \returns the bytes this rank sent to other ranks.
+template <class S>
+std::int64_t move_rows(MPI_Comm comm, int rank, const RowLayout& from, const RowLayout& to,
+                       const S* in, Index width, S* out) {
+  const int ranks = static_cast<int>(from.of_rank.size());
+  const std::size_t P = static_cast<std::size_t>(ranks);
+  std::vector<int> send_counts(P), send_offsets(P), recv_counts(P), recv_offsets(P);
+  std::vector<S> send;
+  std::int64_t bytes = 0;
+  const RowRanges& mine_from = from.of_rank[static_cast<std::size_t>(rank)];
+  const RowRanges& mine_to = to.of_rank[static_cast<std::size_t>(rank)];
+  for (int d = 0; d < ranks; ++d) {
+    send_offsets[static_cast<std::size_t>(d)] = mpi_count(static_cast<Index>(send.size()));
+    for (const auto& [begin, end] : intersect(mine_from, to.of_rank[static_cast<std::size_t>(d)])) {
+      const S* rows = in + from.local_index(rank, begin) * width;
+      send.insert(send.end(), rows, rows + (end - begin) * width);
+    }
+    send_counts[static_cast<std::size_t>(d)] =
+        mpi_count(static_cast<Index>(send.size())) - send_offsets[static_cast<std::size_t>(d)];
+    if (d != rank) {
+      bytes += static_cast<std::int64_t>(send_counts[static_cast<std::size_t>(d)]) *
+               static_cast<std::int64_t>(sizeof(S));
+    }
+  }
+  Index received = 0;
+  std::vector<RowRanges> incoming(P);
+  for (int s = 0; s < ranks; ++s) {
+    incoming[static_cast<std::size_t>(s)] =
+        intersect(from.of_rank[static_cast<std::size_t>(s)], mine_to);
+    Index rows = 0;
+    for (const auto& [begin, end] : incoming[static_cast<std::size_t>(s)]) rows += end - begin;
+    recv_offsets[static_cast<std::size_t>(s)] = mpi_count(received);
+    recv_counts[static_cast<std::size_t>(s)] = mpi_count(rows * width);
+    received += rows * width;
+  }
+  std::vector<S> receive(static_cast<std::size_t>(received));
+  mpi_check(MPI_Alltoallv(send.data(), send_counts.data(), send_offsets.data(), mpi_datatype<S>(),
+                          receive.data(), recv_counts.data(), recv_offsets.data(),
+                          mpi_datatype<S>(), comm),
+            "MPI_Alltoallv");
+  const S* at = receive.data();
+  for (int s = 0; s < ranks; ++s) {
+    for (const auto& [begin, end] : incoming[static_cast<std::size_t>(s)]) {
+      std::copy(at, at + (end - begin) * width, out + to.local_index(rank, begin) * width);
+      at += (end - begin) * width;
+    }
+  }
+  return bytes;
+}
+
+/// Which keys the queries of a range may see, by the causal and window bounds alone (a
+/// conservative test: masks and biases are left to the kernel). Query i (global) stands at key
+/// position i + shift.
+template <class T>
+bool pair_visible(const AttentionOptions<T>& options, Index shift, std::pair<Index, Index> queries,
+                  std::pair<Index, Index> keys) {
+  if (queries.first >= queries.second || keys.first >= keys.second) return false;
+  const Index first = queries.first + shift;      // the first query's position
+  const Index last = queries.second - 1 + shift;  // the last one's
+  // The highest key any query may see.
+  std::optional<Index> highest;
+  if (options.causal != Causal::None) highest = last;
+  if (options.window_right) {
+    highest =
+        highest ? std::min(*highest, last + *options.window_right) : last + *options.window_right;
+  }
+  if (highest && keys.first > *highest) return false;
+  if (options.window && keys.second - 1 < first - *options.window) return false;
+  return true;
+}
+
+/// One rank's operands under the ring's layout: per query head its rows, the key/value block it
+/// starts with (all key/value heads packed: K heads, then V heads), and its mask/bias rows.
+template <class T>
+struct RingOperands {
+  Index heads_q = 1;
+  Index heads_kv = 1;
+  Index d_k = 0;
+  Index d_v = 0;
+  std::vector<Matrix<T>> Q;  ///< heads_q tables of (this rank's rows) x d_k
+  std::vector<T> block;      ///< heads_kv x rows x d_k keys, then heads_kv x rows x d_v values
+  std::optional<Mask> mask;  ///< this rank's query rows x M (global key columns)
+  std::optional<Matrix<T>> bias;
+};
+
+/// The ring itself, on operands already under their layouts. Returns per query head the output
+/// rows (this rank's rows under `query_layout`).
+template <class T>
+std::vector<Matrix<T>> ring_core(MPI_Comm comm, int rank, int ranks, const RowLayout& query_layout,
+                                 const RowLayout& key_layout, Index shift,
+                                 const AttentionOptions<T>& options, RingOperands<T>& in,
+                                 RingStats& stats) {
+  const Index group = in.heads_q / in.heads_kv;
+  const Index my_rows = query_layout.rows(rank);
+  std::vector<Matrix<T>> out(static_cast<std::size_t>(in.heads_q),
+                             Matrix<T>::Zero(my_rows, in.d_v));
+  std::vector<Vector<T>> lse(static_cast<std::size_t>(in.heads_q),
+                             Vector<T>::Constant(my_rows, -std::numeric_limits<T>::infinity()));
+  const RowRanges& my_queries = query_layout.of_rank[static_cast<std::size_t>(rank)];
+
+  // needed[x][b]: whether rank x's queries see any key of rank b's block.
+  std::vector<std::vector<bool>> needed(static_cast<std::size_t>(ranks),
+                                        std::vector<bool>(static_cast<std::size_t>(ranks), false));
+  for (int x = 0; x < ranks; ++x) {
+    for (int b = 0; b < ranks; ++b) {
+      for (const auto& q : query_layout.of_rank[static_cast<std::size_t>(x)]) {
+        for (const auto& k : key_layout.of_rank[static_cast<std::size_t>(b)]) {
+          if (pair_visible(options, shift, q, k)) {
+            needed[static_cast<std::size_t>(x)][static_cast<std::size_t>(b)] = true;
+          }
+        }
+      }
+    }
+  }
+  const auto wrap = [ranks](int r) { return ((r % ranks) + ranks) % ranks; };
+  // Whether the rank holding block b at step s passes it on: some rank further along needs it.
+  const auto forwards = [&](int holder, int b, int s) {
+    for (int t = 1; t < ranks - s; ++t) {
+      if (needed[static_cast<std::size_t>(wrap(holder + t))][static_cast<std::size_t>(b)]) {
+        return true;
+      }
+    }
+    return false;
+  };
+  const auto block_elements = [&](int b) {
+    return key_layout.rows(b) * in.heads_kv * (in.d_k + in.d_v);
+  };
+
+  AttentionOptions<T> pair_options = options;
+  pair_options.sink.reset();  // added once, after the merge
+  pair_options.mask.reset();
+  pair_options.bias.reset();
+  std::vector<T> current = std::move(in.block);
+  std::vector<T> next;
+  Matrix<T> partial;
+  Vector<T> partial_lse;
+  const int right = wrap(rank + 1);
+  const int left = wrap(rank - 1);
+  for (int s = 0; s < ranks; ++s) {
+    const int b = wrap(rank - s);  // the block in hand, if it came this far
+    const bool have = s == 0 || forwards(left, b, s - 1);
+    // Start passing the block on and receiving the next one, then compute on this one. (A rank
+    // that does not hold block b does not pass it on: no rank after it needs it.)
+    MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+    const bool send = have && s + 1 < ranks && forwards(rank, b, s);
+    const int b_next = wrap(rank - s - 1);
+    const bool receive = s + 1 < ranks && forwards(left, b_next, s);
+    if (receive) {
+      next.resize(static_cast<std::size_t>(block_elements(b_next)));
+      mpi_check(MPI_Irecv(next.data(), mpi_count(block_elements(b_next)), mpi_datatype<T>(), left,
+                          s, comm, &requests[0]),
+                "MPI_Irecv");
+    }
+    if (send) {
+      mpi_check(MPI_Isend(current.data(), mpi_count(block_elements(b)), mpi_datatype<T>(), right, s,
+                          comm, &requests[1]),
+                "MPI_Isend");
+      stats.ring_bytes_sent +=
+          static_cast<std::int64_t>(block_elements(b)) * static_cast<std::int64_t>(sizeof(T));
+    }
+    const double compute_start = MPI_Wtime();
+    // MPI moves a large message only while the process calls into it (no progress thread by
+    // default): a test between kernel calls lets the transfer go on behind the compute.
+    const auto progress = [&requests] {
+      int done = 0;
+      MPI_Testall(2, requests, &done, MPI_STATUSES_IGNORE);
+    };
+    const Index block_rows = have ? key_layout.rows(b) : 0;
+    const T* keys = current.data();
+    const T* values = current.data() + in.heads_kv * block_rows * in.d_k;
+    Index key_local = 0;
+    const RowRanges no_keys;
+    for (const auto& k : have ? key_layout.of_rank[static_cast<std::size_t>(b)] : no_keys) {
+      const Index key_count = k.second - k.first;
+      Index query_local = 0;
+      for (const auto& q : my_queries) {
+        const Index query_count = q.second - q.first;
+        if (!pair_visible(options, shift, q, k)) {
+          ++stats.pairs_skipped;
+          query_local += query_count;
+          continue;
+        }
+        ++stats.pairs_computed;
+        pair_options.query_offset = q.first + shift - k.first;
+        if (in.mask) {
+          pair_options.mask = Mask(in.mask->block(query_local, k.first, query_count, key_count));
+        }
+        if (in.bias) {
+          pair_options.bias =
+              Matrix<T>(in.bias->block(query_local, k.first, query_count, key_count));
+        }
+        for (Index h = 0; h < in.heads_q; ++h) {
+          const Index g = h / group;
+          const Eigen::Map<const Matrix<T>> K_g(keys + g * block_rows * in.d_k, block_rows, in.d_k);
+          const Eigen::Map<const Matrix<T>> V_g(values + g * block_rows * in.d_v, block_rows,
+                                                in.d_v);
+          const auto h_index = static_cast<std::size_t>(h);
+          partial =
+              flash_attention(in.Q[h_index].middleRows(query_local, query_count),
+                              K_g.middleRows(key_local, key_count),
+                              V_g.middleRows(key_local, key_count), pair_options, partial_lse);
+          for (Index i = 0; i < query_count; ++i) {
+            T& row_lse = lse[h_index](query_local + i);
+            merge_partial<T>(out[h_index].row(query_local + i), row_lse, partial.row(i),
+                             partial_lse(i));
+          }
+          progress();
+        }
+        query_local += query_count;
+      }
+      key_local += key_count;
+    }
+    stats.compute_seconds += MPI_Wtime() - compute_start;
+    const double wait_start = MPI_Wtime();
+    mpi_check(MPI_Waitall(2, requests, MPI_STATUSES_IGNORE), "MPI_Waitall");
+    stats.wait_seconds += MPI_Wtime() - wait_start;
+    if (receive) std::swap(current, next);
+  }
+  if (options.sink) {
+    for (Index h = 0; h < in.heads_q; ++h) {
+      const auto h_index = static_cast<std::size_t>(h);
+      for (Index i = 0; i < my_rows; ++i) {
+        merge_sink<T>(out[h_index].row(i), lse[h_index](i), options.sink);
+      }
+    }
+  }
+  return out;
+}
+
+/// The sizes every rank needs: its query rows, key rows, widths and heads, and whether its own
+/// arguments passed their checks.
+struct RingSizes {
+  std::int64_t n = 0, m = 0, d_k = 0, d_v = 0, heads_q = 0, heads_kv = 0, ok = 1;
+};
+
+/// Gathers every rank's sizes; throws `shape_error` on every rank (so that none is left waiting)
+/// when any rank's arguments are invalid or the ranks disagree on widths or heads.
+inline std::vector<RingSizes> gather_sizes(MPI_Comm comm, const RingSizes& mine,
+                                           const std::string& local_error) {
+  int ranks = 0;
+  mpi_check(MPI_Comm_size(comm, &ranks), "MPI_Comm_size");
+  std::vector<RingSizes> all(static_cast<std::size_t>(ranks));
+  mpi_check(MPI_Allgather(&mine, 7, MPI_INT64_T, all.data(), 7, MPI_INT64_T, comm),
+            "MPI_Allgather");
+  for (int r = 0; r < ranks; ++r) {
+    if (all[static_cast<std::size_t>(r)].ok == 0) {
+      if (!local_error.empty()) throw shape_error(local_error);
+      fail("ring_attention", "rank ", r, " was given invalid arguments (its message says which)");
+    }
+  }
+  for (int r = 1; r < ranks; ++r) {
+    const RingSizes& a = all[0];
+    const RingSizes& b = all[static_cast<std::size_t>(r)];
+    if (a.d_k != b.d_k || a.d_v != b.d_v || a.heads_q != b.heads_q || a.heads_kv != b.heads_kv) {
+      fail("ring_attention", "the ranks disagree: rank 0 has d_k = ", a.d_k, ", d_v = ", a.d_v,
+           ", ", a.heads_q, " query and ", a.heads_kv, " key/value heads; rank ", r,
+           " has d_k = ", b.d_k, ", d_v = ", b.d_v, ", ", b.heads_q, " and ", b.heads_kv);
+    }
+  }
+  return all;
+}
+
+/// Both forms of `ring_attention` after their local checks: `Q` per query head (this rank's
+/// rows), `K` and `V` per key/value head.
+template <class T>
+std::vector<Matrix<T>> ring_heads(MPI_Comm user_comm, const std::vector<Matrix<T>>& Q,
+                                  const std::vector<Matrix<T>>& K, const std::vector<Matrix<T>>& V,
+                                  const AttentionOptions<T>& options, RingSizes mine,
+                                  std::string local_error, RingStats& stats) {
+  stats = RingStats{};
+  MPI_Comm comm = MPI_COMM_NULL;  // a communicator of its own: its messages meet no other's
+  mpi_check(MPI_Comm_dup(user_comm, &comm), "MPI_Comm_dup");
+  struct Freed {
+    MPI_Comm* comm;
+    ~Freed() { MPI_Comm_free(comm); }
+  } freed{&comm};
+  int rank = 0;
+  int ranks = 0;
+  mpi_check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+  mpi_check(MPI_Comm_size(comm, &ranks), "MPI_Comm_size");
+  stats.ranks = ranks;
+
+  // The masks and biases are this rank's rows over all M keys: their width is checked once M
+  // is known.
+  std::vector<RingSizes> sizes;
+  {
+    // A first exchange for M, then the options' checks against it, then the verdict.
+    std::vector<std::int64_t> key_counts(static_cast<std::size_t>(ranks));
+    mpi_check(MPI_Allgather(&mine.m, 1, MPI_INT64_T, key_counts.data(), 1, MPI_INT64_T, comm),
+              "MPI_Allgather");
+    std::int64_t M = 0;
+    for (const std::int64_t count : key_counts) M += count;
+    if (local_error.empty()) {
+      try {
+        check_options("ring_attention", options, static_cast<Index>(mine.n), static_cast<Index>(M));
+      } catch (const shape_error& error) {
+        local_error = error.what();
+      }
+    }
+    mine.ok = local_error.empty() ? 1 : 0;
+    sizes = gather_sizes(comm, mine, local_error);
+  }
+  std::vector<Index> query_counts;
+  std::vector<Index> key_counts;
+  Index N = 0;
+  Index M = 0;
+  for (const RingSizes& s : sizes) {
+    query_counts.push_back(static_cast<Index>(s.n));
+    key_counts.push_back(static_cast<Index>(s.m));
+    N += static_cast<Index>(s.n);
+    M += static_cast<Index>(s.m);
+  }
+  const Index shift = query_position(options, N, M);
+  const RowLayout query_home = contiguous_layout(query_counts);
+  const RowLayout key_home = contiguous_layout(key_counts);
+  // Zigzag for a causal mask without a window (with a window every rank's work is a band already).
+  stats.zigzag = ranks > 1 && options.causal != Causal::None && !options.window;
+  const RowLayout query_layout = stats.zigzag ? zigzag_layout(N, ranks) : query_home;
+  const RowLayout key_layout = stats.zigzag ? zigzag_layout(M, ranks) : key_home;
+
+  RingOperands<T> in;
+  in.heads_q = static_cast<Index>(mine.heads_q);
+  in.heads_kv = static_cast<Index>(mine.heads_kv);
+  in.d_k = static_cast<Index>(mine.d_k);
+  in.d_v = static_cast<Index>(mine.d_v);
+  const Index my_queries = query_layout.rows(rank);
+  const Index my_keys = key_layout.rows(rank);
+  const double deal_start = MPI_Wtime();
+  // Each table moved from its home layout to the ring's (a copy when they are the same).
+  const auto deal = [&](const auto* data, Index width, auto* target, bool queries) {
+    const RowLayout& home = queries ? query_home : key_home;
+    const RowLayout& layout = queries ? query_layout : key_layout;
+    if (!stats.zigzag) {
+      std::copy(data, data + home.rows(rank) * width, target);
+      return;
+    }
+    stats.redistribute_bytes_sent += move_rows(comm, rank, home, layout, data, width, target);
+  };
+  for (const Matrix<T>& Q_h : Q) {
+    in.Q.emplace_back(my_queries, in.d_k);
+    deal(Q_h.data(), in.d_k, in.Q.back().data(), true);
+  }
+  in.block.resize(static_cast<std::size_t>(in.heads_kv * my_keys * (in.d_k + in.d_v)));
+  for (Index g = 0; g < in.heads_kv; ++g) {
+    deal(K[static_cast<std::size_t>(g)].data(), in.d_k, in.block.data() + g * my_keys * in.d_k,
+         false);
+    deal(V[static_cast<std::size_t>(g)].data(), in.d_v,
+         in.block.data() + (in.heads_kv * in.d_k + g * in.d_v) * my_keys, false);
+  }
+  if (options.mask) {
+    // bool is not an MPI type: the mask travels as bytes.
+    const Mask& mask = *options.mask;
+    std::vector<unsigned char> bytes(static_cast<std::size_t>(mask.size()));
+    for (Index i = 0; i < mask.rows(); ++i) {
+      for (Index j = 0; j < M; ++j) bytes[static_cast<std::size_t>(i * M + j)] = mask(i, j) ? 1 : 0;
+    }
+    std::vector<unsigned char> dealt(static_cast<std::size_t>(my_queries * M));
+    deal(bytes.data(), M, dealt.data(), true);
+    in.mask = Mask(my_queries, M);
+    for (Index i = 0; i < my_queries; ++i) {
+      for (Index j = 0; j < M; ++j)
+        (*in.mask)(i, j) = dealt[static_cast<std::size_t>(i * M + j)] != 0;
+    }
+  }
+  if (options.bias) {
+    in.bias = Matrix<T>(my_queries, M);
+    deal(options.bias->data(), M, in.bias->data(), true);
+  }
+  stats.redistribute_seconds += MPI_Wtime() - deal_start;
+
+  std::vector<Matrix<T>> dealt_out =
+      ring_core(comm, rank, ranks, query_layout, key_layout, shift, options, in, stats);
+  if (!stats.zigzag) return dealt_out;
+  const double back_start = MPI_Wtime();
+  std::vector<Matrix<T>> out;
+  for (const Matrix<T>& O_h : dealt_out) {
+    out.emplace_back(query_home.rows(rank), in.d_v);
+    stats.redistribute_bytes_sent +=
+        move_rows(comm, rank, query_layout, query_home, O_h.data(), in.d_v, out.back().data());
+  }
+  stats.redistribute_seconds += MPI_Wtime() - back_start;
+  return out;
+}
+
+/// The local checks of one rank's operands, as a message ("" when they pass).
+template <class F>
+std::string local_check(F&& check) {
+  try {
+    check();
+  } catch (const shape_error& error) {
+    return error.what();
+  }
+  return {};
+}
+
+}  // namespace detail
+
+/// Attention over a sequence split across the ranks of `comm`, in rank order: rank r passes its
+/// own rows of the queries, keys and values and receives its own output rows; the result equals
+/// single-process attention over the concatenated sequence (`flash_attention` on the whole Q, K
+/// and V with the same options), to rounding.
+///
+/// Every rank calls it (it is collective over `comm`). Ranks may hold different numbers of rows,
+/// zero included; n and m may differ (cross-attention: query rows and key rows are split
+/// independently). The options mean what they mean on the whole sequence: causal alignment and
+/// `query_offset` over the global positions, window, window_right, ALiBi, softcap, sink and scale;
+/// `mask` and `bias`, when set, are this rank's rows over all M keys (n_r x M).
+///
+/// \param Q  n_r x d_k, this rank's queries
+/// \param K  m_r x d_k, this rank's keys
+/// \param V  m_r x d_v, this rank's values
+/// \param stats  filled with what this rank did (times, bytes, pairs)
+/// \returns n_r x d_v, this rank's output rows
+/// \throws shape_error on every rank when any rank's arguments are invalid (the rank at fault gets
+///         its own message, the others one naming that rank), or when the ranks disagree on d_k
+///         or d_v; std::runtime_error when an MPI call fails.
+template <class DQ, class DK, class DV>
+Matrix<typename DQ::Scalar> ring_attention(MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q,
+                                           const Eigen::MatrixBase<DK>& K,
+                                           const Eigen::MatrixBase<DV>& V,
+                                           const AttentionOptions<typename DQ::Scalar>& options,
+                                           RingStats& stats) {
+  using T = typename DQ::Scalar;
+  detail::require_same_scalar<DQ, DK>();
+  detail::require_same_scalar<DQ, DV>();
+  const std::string error = detail::local_check([&] {
+    detail::require_same_cols("ring_attention", "K", K, "Q", Q);
+    detail::require_same_rows("ring_attention", "V", V, "K", K);
+  });
+  detail::RingSizes mine;
+  mine.n = Q.rows();
+  mine.m = K.rows();
+  mine.d_k = Q.cols();
+  mine.d_v = V.cols();
+  mine.heads_q = 1;
+  mine.heads_kv = 1;
+  std::vector<Matrix<T>> out = detail::ring_heads<T>(comm, {Matrix<T>(Q)}, {Matrix<T>(K)},
+                                                     {Matrix<T>(V)}, options, mine, error, stats);
+  return std::move(out.front());
+}
+
+/// `ring_attention` without the statistics.
+template <class DQ, class DK, class DV>
+Matrix<typename DQ::Scalar> ring_attention(
+    MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const AttentionOptions<typename DQ::Scalar>& options = {}) {
+  RingStats stats;
+  return ring_attention(comm, Q, K, V, options, stats);
+}
+
+/// `ring_attention` over heads: `Q` (h_q, n_r, d_k), `K` (h_kv, m_r, d_k), `V` (h_kv, m_r, d_v),
+/// `h_q % h_kv == 0`; query head h reads key/value head `h / (h_q / h_kv)` (multi-head,
+/// grouped-query and multi-query attention). Every key/value head travels in one message per step.
+/// `options.mask` and `options.bias` are shared by the heads (n_r x M).
+/// \returns (h_q, n_r, d_v)
+template <class T>
+Tensor3<T> ring_attention(MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& K,
+                          const Tensor3<T>& V, const AttentionOptions<T>& options,
+                          RingStats& stats) {
+  const std::string error = detail::local_check([&] {
+    if (K.dimension(0) == 0 || Q.dimension(0) % K.dimension(0) != 0) {
+      detail::fail("ring_attention", "K has ", K.dimension(0), " heads, which must divide Q's ",
+                   Q.dimension(0));
+    }
+    if (K.dimension(0) != V.dimension(0) || K.dimension(1) != V.dimension(1)) {
+      detail::fail("ring_attention", "K is (", K.dimension(0), ", ", K.dimension(1), ", ",
+                   K.dimension(2), ") but V is (", V.dimension(0), ", ", V.dimension(1), ", ",
+                   V.dimension(2), "): heads and tokens must agree");
+    }
+    if (Q.dimension(2) != K.dimension(2)) {
+      detail::fail("ring_attention", "Q has ", Q.dimension(2), " features but K has ",
+                   K.dimension(2));
+    }
+  });
+  std::vector<Matrix<T>> Q_heads, K_heads, V_heads;
+  const auto split = [](const Tensor3<T>& X, std::vector<Matrix<T>>& heads) {
+    for (Index h = 0; h < X.dimension(0); ++h) {
+      heads.push_back(Eigen::Map<const Matrix<T>>(X.data() + h * X.dimension(1) * X.dimension(2),
+                                                  X.dimension(1), X.dimension(2)));
+    }
+  };
+  split(Q, Q_heads);
+  split(K, K_heads);
+  split(V, V_heads);
+  detail::RingSizes mine;
+  mine.n = Q.dimension(1);
+  mine.m = K.dimension(1);
+  mine.d_k = Q.dimension(2);
+  mine.d_v = V.dimension(2);
+  mine.heads_q = Q.dimension(0);
+  mine.heads_kv = K.dimension(0);
+  const std::vector<Matrix<T>> out =
+      detail::ring_heads<T>(comm, Q_heads, K_heads, V_heads, options, mine, error, stats);
+  Tensor3<T> result(Q.dimension(0), Q.dimension(1), V.dimension(2));
+  for (Index h = 0; h < Q.dimension(0); ++h) {
+    std::copy(out[static_cast<std::size_t>(h)].data(),
+              out[static_cast<std::size_t>(h)].data() + out[static_cast<std::size_t>(h)].size(),
+              result.data() + h * Q.dimension(1) * V.dimension(2));
+  }
+  return result;
+}
+
+/// `ring_attention` over heads without the statistics.
+template <class T>
+Tensor3<T> ring_attention(MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& K,
+                          const Tensor3<T>& V, const AttentionOptions<T>& options = {}) {
+  RingStats stats;
+  return ring_attention(comm, Q, K, V, options, stats);
+}
+
+}  // namespace attn

@@ -1,0 +1,338 @@
+/// \file distributed_test.cpp
+/// `ring_attention` (attn/distributed.hpp) against single-process attention over the whole
+/// sequence. Run under MPI with 2, 3 and 4 ranks (tests/CMakeLists.txt, label `mpi`): every rank
+/// builds the same whole sequence from one seed, passes its own rows, and compares its output
+/// rows with the same rows of `scaled_dot_product_attention` on the whole sequence. Float within
+/// 1e-5, double within 1e-12 (worst |o - o_ref| / max |o_ref| of the rank's rows); the result is
+/// identical bit for bit from one call to the next. A failure on any rank fails every rank.
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <attn/attn.hpp>
+#include <attn/distributed.hpp>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using attn::Index;
+template <class T>
+using Matrix = attn::Matrix<T>;
+
+int world_rank() {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return rank;
+}
+
+int world_size() {
+  int size = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  return size;
+}
+
+/// A split of `total` rows over the ranks, uneven on purpose: rank r gets a share that grows with
+/// r, and rank 1 (of 3 or more) none at all when `with_empty`.
+std::vector<Index> uneven_split(Index total, int ranks, bool with_empty) {
+  std::vector<Index> weights;
+  for (int r = 0; r < ranks; ++r) weights.push_back(with_empty && ranks > 2 && r == 1 ? 0 : r + 1);
+  Index weight_sum = 0;
+  for (const Index w : weights) weight_sum += w;
+  std::vector<Index> counts;
+  Index given = 0;
+  for (int r = 0; r < ranks; ++r) {
+    const Index count =
+        r + 1 == ranks ? total - given : total * weights[static_cast<std::size_t>(r)] / weight_sum;
+    counts.push_back(count);
+    given += count;
+  }
+  return counts;
+}
+
+/// The first row of rank r's block under `counts`.
+Index first_row(const std::vector<Index>& counts, int r) {
+  Index first = 0;
+  for (int s = 0; s < r; ++s) first += counts[static_cast<std::size_t>(s)];
+  return first;
+}
+
+template <class T>
+Matrix<T> random_matrix(Index rows, Index cols, std::mt19937& rng) {
+  std::normal_distribution<double> normal(0.0, 1.0);
+  Matrix<T> M(rows, cols);
+  for (Index i = 0; i < rows; ++i) {
+    for (Index j = 0; j < cols; ++j) M(i, j) = static_cast<T>(normal(rng));
+  }
+  return M;
+}
+
+/// The worst |a - b| over max |b| (max |b| taken as 1 when b is all zeros).
+template <class T>
+double relative_error(const Matrix<T>& a, const Matrix<T>& b) {
+  if (a.size() == 0) return 0;
+  const double scale = std::max(1e-300, static_cast<double>(b.cwiseAbs().maxCoeff()));
+  return static_cast<double>((a - b).cwiseAbs().maxCoeff()) / scale;
+}
+
+template <class T>
+double tolerance() {
+  return std::is_same_v<T, float> ? 1e-5 : 1e-12;
+}
+
+/// One case: N queries and M keys split unevenly, options on the whole sequence (`whole_options`
+/// may carry an N x M mask or bias: each rank passes its rows of it).
+template <class T>
+void check_case(const std::string& name, Index N, Index M, Index d_k, Index d_v,
+                const attn::AttentionOptions<T>& whole_options, bool with_empty,
+                std::uint32_t seed) {
+  SCOPED_TRACE(name + " on " + std::to_string(world_size()) + " ranks");
+  std::mt19937 rng(seed);
+  const Matrix<T> Q = random_matrix<T>(N, d_k, rng);
+  const Matrix<T> K = random_matrix<T>(M, d_k, rng);
+  const Matrix<T> V = random_matrix<T>(M, d_v, rng);
+  const Matrix<T> reference = attn::scaled_dot_product_attention(Q, K, V, whole_options);
+  const int rank = world_rank();
+  const std::vector<Index> query_counts = uneven_split(N, world_size(), with_empty);
+  const std::vector<Index> key_counts =
+      N == M ? query_counts : uneven_split(M, world_size(), false);
+  const Index q0 = first_row(query_counts, rank);
+  const Index n = query_counts[static_cast<std::size_t>(rank)];
+  const Index k0 = first_row(key_counts, rank);
+  const Index m = key_counts[static_cast<std::size_t>(rank)];
+  attn::AttentionOptions<T> options = whole_options;
+  if (whole_options.mask) options.mask = attn::Mask(whole_options.mask->middleRows(q0, n));
+  if (whole_options.bias) options.bias = Matrix<T>(whole_options.bias->middleRows(q0, n));
+  attn::RingStats stats;
+  const Matrix<T> out =
+      attn::ring_attention(MPI_COMM_WORLD, Q.middleRows(q0, n), K.middleRows(k0, m),
+                           V.middleRows(k0, m), options, stats);
+  ASSERT_EQ(out.rows(), n);
+  ASSERT_EQ(out.cols(), d_v);
+  const Matrix<T> expected = reference.middleRows(q0, n);
+  EXPECT_LE(relative_error(out, expected), tolerance<T>());
+  // Identical bits from one call to the next.
+  const Matrix<T> again = attn::ring_attention(MPI_COMM_WORLD, Q.middleRows(q0, n),
+                                               K.middleRows(k0, m), V.middleRows(k0, m), options);
+  EXPECT_TRUE((again.array() == out.array()).all() ||
+              (again.array().isNaN() == out.array().isNaN()).all());
+  EXPECT_EQ(stats.ranks, world_size());
+}
+
+template <class T>
+class RingAttention : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(RingAttention, Scalars);
+
+TYPED_TEST(RingAttention, FullAttention) {
+  using T = TypeParam;
+  check_case<T>("full, even", 96, 96, 16, 8, {}, false, 1);
+  check_case<T>("full, uneven with an empty rank", 131, 131, 32, 16, {}, true, 2);
+  check_case<T>("cross, 70 queries over 150 keys", 70, 150, 16, 24, {}, false, 3);
+}
+
+TYPED_TEST(RingAttention, Causal) {
+  using T = TypeParam;
+  attn::AttentionOptions<T> causal;
+  causal.causal = attn::Causal::BottomRight;
+  check_case<T>("causal, square", 157, 157, 32, 32, causal, false, 4);
+  check_case<T>("causal, uneven with an empty rank", 203, 203, 16, 8, causal, true, 5);
+  check_case<T>("causal bottom-right, 60 queries over 140 keys", 60, 140, 16, 16, causal, false, 6);
+  causal.causal = attn::Causal::TopLeft;
+  check_case<T>("causal top-left, 140 queries over 60 keys", 140, 60, 16, 16, causal, false, 7);
+  causal.query_offset = 25;
+  check_case<T>("causal, query_offset 25", 80, 120, 16, 16, causal, false, 8);
+  // Each query sees one key ahead: the last query of a block sees exactly the first key of the
+  // next block (the edge of the test that skips blocks).
+  causal.query_offset = 1;
+  check_case<T>("causal, query_offset 1", 97, 97, 16, 16, causal, true, 21);
+}
+
+TYPED_TEST(RingAttention, WindowsAlibiSoftcapSinkScale) {
+  using T = TypeParam;
+  attn::AttentionOptions<T> window;
+  window.causal = attn::Causal::BottomRight;
+  window.window = 19;
+  check_case<T>("causal window 19", 150, 150, 16, 16, window, true, 9);
+  // Window 1: the first query of a block sees exactly the last key of the block before.
+  window.window = 1;
+  check_case<T>("causal window 1", 77, 77, 8, 8, window, false, 22);
+  attn::AttentionOptions<T> both;
+  both.window = 11;
+  both.window_right = 7;
+  check_case<T>("window 11 left, 7 right", 120, 120, 16, 16, both, false, 10);
+  attn::AttentionOptions<T> right;
+  right.window_right = 5;
+  check_case<T>("window_right 5 alone", 90, 90, 8, 8, right, false, 11);
+  attn::AttentionOptions<T> many;
+  many.causal = attn::Causal::BottomRight;
+  many.alibi_slope = T(0.125);
+  many.softcap = T(5);
+  many.sink = T(0.5);
+  many.scale = T(0.3);
+  check_case<T>("causal, ALiBi, softcap, sink, scale", 140, 140, 16, 16, many, true, 12);
+  attn::AttentionOptions<T> sink;
+  sink.sink = T(2);
+  check_case<T>("sink alone", 64, 64, 16, 16, sink, false, 13);
+}
+
+TYPED_TEST(RingAttention, MaskAndBiasRows) {
+  using T = TypeParam;
+  const Index N = 110;
+  std::mt19937 rng(14);
+  std::bernoulli_distribution keep(0.7);
+  attn::AttentionOptions<T> masked;
+  masked.mask = attn::Mask(N, N);
+  for (Index i = 0; i < N; ++i) {
+    for (Index j = 0; j < N; ++j) (*masked.mask)(i, j) = keep(rng);
+  }
+  (*masked.mask).row(3).setConstant(false);  // a row that sees nothing: zeros
+  check_case<T>("bool mask", N, N, 16, 16, masked, false, 15);
+  masked.causal = attn::Causal::BottomRight;
+  check_case<T>("bool mask and causal", N, N, 16, 16, masked, true, 16);
+  attn::AttentionOptions<T> biased;
+  biased.bias = random_matrix<T>(N, N, rng);
+  biased.causal = attn::Causal::BottomRight;
+  biased.alibi_slope = T(0.05);
+  check_case<T>("bias, causal, ALiBi", N, N, 16, 16, biased, false, 17);
+}
+
+TYPED_TEST(RingAttention, HeadsAndGroupedQueries) {
+  using T = TypeParam;
+  const Index h_q = 4, h_kv = 2, N = 100, d = 16;
+  std::mt19937 rng(18);
+  attn::Tensor3<T> Q(h_q, N, d), K(h_kv, N, d), V(h_kv, N, d);
+  for (auto* X : {&Q, &K, &V}) {
+    std::normal_distribution<double> normal(0.0, 1.0);
+    for (Index k = 0; k < X->size(); ++k) X->data()[k] = static_cast<T>(normal(rng));
+  }
+  attn::AttentionOptions<T> options;
+  options.causal = attn::Causal::BottomRight;
+  options.softcap = T(8);
+  const attn::Tensor3<T> reference = attn::attention_heads(Q, K, V, options);
+  const std::vector<Index> counts = uneven_split(N, world_size(), true);
+  const int rank = world_rank();
+  const Index q0 = first_row(counts, rank);
+  const Index n = counts[static_cast<std::size_t>(rank)];
+  const auto rows = [&](const attn::Tensor3<T>& X) {
+    attn::Tensor3<T> part(X.dimension(0), n, X.dimension(2));
+    for (Index h = 0; h < X.dimension(0); ++h) {
+      for (Index i = 0; i < n; ++i) {
+        for (Index j = 0; j < X.dimension(2); ++j) part(h, i, j) = X(h, q0 + i, j);
+      }
+    }
+    return part;
+  };
+  const attn::Tensor3<T> out =
+      attn::ring_attention(MPI_COMM_WORLD, rows(Q), rows(K), rows(V), options);
+  const attn::Tensor3<T> expected = rows(reference);
+  ASSERT_EQ(out.dimension(0), h_q);
+  ASSERT_EQ(out.dimension(1), n);
+  double worst = 0, largest = 0;
+  for (Index k = 0; k < out.size(); ++k) {
+    worst = std::max(worst, std::abs(static_cast<double>(out.data()[k] - expected.data()[k])));
+    largest = std::max(largest, std::abs(static_cast<double>(expected.data()[k])));
+  }
+  if (n > 0) {
+    EXPECT_LE(worst / largest, tolerance<T>());
+  }
+}
+
+TEST(RingAttentionSchedule, CausalDealsRowsOutAndSkipsBlocksAboveTheDiagonal) {
+  const Index N = 256;
+  std::mt19937 rng(19);
+  const Matrix<double> Q = random_matrix<double>(N, 8, rng);
+  const std::vector<Index> counts = uneven_split(N, world_size(), false);
+  const Index q0 = first_row(counts, world_rank());
+  const Index n = counts[static_cast<std::size_t>(world_rank())];
+  attn::AttentionOptions<double> causal;
+  causal.causal = attn::Causal::BottomRight;
+  attn::RingStats stats;
+  attn::ring_attention(MPI_COMM_WORLD, Q.middleRows(q0, n), Q.middleRows(q0, n),
+                       Q.middleRows(q0, n), causal, stats);
+  const int P = world_size();
+  EXPECT_EQ(stats.zigzag, P > 1);
+  // Zigzag: each rank holds chunks r and 2P-1-r of 2P, and meets all 2P key chunks around the
+  // ring; query chunk c sees key chunks 0..c only. So rank r computes (r + 1) + (2P - r) = 2P + 1
+  // pairs whatever r, 2P(2P + 1)/2 over all ranks; the pairs above the diagonal are skipped.
+  std::int64_t computed = stats.pairs_computed;
+  std::int64_t total = 0;
+  MPI_Allreduce(&computed, &total, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+  if (P > 1) {
+    EXPECT_EQ(total, static_cast<std::int64_t>(2 * P * (2 * P + 1) / 2));
+    EXPECT_EQ(stats.pairs_computed, 2 * P + 1) << "every rank computes the same number of pairs";
+  } else {
+    EXPECT_EQ(stats.pairs_computed, 1);
+  }
+  // Not causal: no deal, every block goes P - 1 steps.
+  attn::ring_attention(MPI_COMM_WORLD, Q.middleRows(q0, n), Q.middleRows(q0, n),
+                       Q.middleRows(q0, n), attn::AttentionOptions<double>{}, stats);
+  EXPECT_FALSE(stats.zigzag);
+  // The rank sends blocks r, r-1, ..., r-P+2 (keys and values, 8 + 8 doubles per row).
+  std::int64_t bytes = 0;
+  for (int s = 0; s + 1 < P; ++s) {
+    const int b = ((world_rank() - s) % P + P) % P;
+    bytes += static_cast<std::int64_t>(counts[static_cast<std::size_t>(b)]) * 16 * 8;
+  }
+  EXPECT_EQ(stats.ring_bytes_sent, bytes);
+}
+
+TEST(RingAttentionErrors, EveryRankThrowsWhenOneRankIsWrong) {
+  const int rank = world_rank();
+  std::mt19937 rng(20);
+  const Matrix<double> Q = random_matrix<double>(10, 8, rng);
+  const Matrix<double> K = random_matrix<double>(10, rank == 0 ? 6 : 8, rng);  // rank 0: wrong d_k
+  const Matrix<double> V = random_matrix<double>(10, 8, rng);
+  try {
+    attn::ring_attention(MPI_COMM_WORLD, Q, K, V);
+    ADD_FAILURE() << "no exception";
+  } catch (const attn::shape_error& error) {
+    const std::string message = error.what();
+    if (rank == 0) {
+      EXPECT_NE(message.find("K has 6 columns but Q has 8"), std::string::npos) << message;
+    } else {
+      EXPECT_NE(message.find("rank 0 was given invalid arguments"), std::string::npos) << message;
+    }
+  }
+  // A mask that is not n_r x M on the last rank.
+  attn::AttentionOptions<double> options;
+  const Index M = 10 * world_size();
+  options.mask = attn::Mask::Constant(10, rank + 1 == world_size() ? M - 1 : M, true);
+  EXPECT_THROW(attn::ring_attention(MPI_COMM_WORLD, Q, Q, V, options), attn::shape_error);
+  // Ranks that disagree on d_v.
+  const Matrix<double> V_odd = random_matrix<double>(10, rank == 0 ? 4 : 8, rng);
+  try {
+    attn::ring_attention(MPI_COMM_WORLD, Q, Q, V_odd);
+    if (world_size() > 1) ADD_FAILURE() << "no exception";
+  } catch (const attn::shape_error& error) {
+    EXPECT_NE(std::string(error.what()).find("the ranks disagree"), std::string::npos);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  if (world_rank() != 0) {
+    // One report: rank 0 prints; the others print only their failures.
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  const int failed = RUN_ALL_TESTS();
+  int any_failed = 0;
+  MPI_Allreduce(&failed, &any_failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  if (world_rank() == 0) {
+    std::printf("ring_attention tests on %d ranks: %s\n", world_size(),
+                any_failed ? "FAILED on some rank" : "passed on every rank");
+  }
+  MPI_Finalize();
+  return any_failed;
+}
