@@ -245,6 +245,101 @@ TYPED_TEST(RingAttention, HeadsAndGroupedQueries) {
   }
 }
 
+/// The backward of one case: `ring_attention` (with its log-sum-exp) then
+/// `ring_attention_backward` on each rank's rows, against `attention_backward` on the whole
+/// sequence (which runs its own forward): dQ, dK, dV, dbias rows and dsink.
+template <class T>
+void check_backward_case(const std::string& name, Index N, Index M, Index d_k, Index d_v,
+                         const attn::AttentionOptions<T>& whole_options, bool with_empty,
+                         std::uint32_t seed) {
+  SCOPED_TRACE("backward, " + name + " on " + std::to_string(world_size()) + " ranks");
+  std::mt19937 rng(seed);
+  const Matrix<T> Q = random_matrix<T>(N, d_k, rng);
+  const Matrix<T> K = random_matrix<T>(M, d_k, rng);
+  const Matrix<T> V = random_matrix<T>(M, d_v, rng);
+  const Matrix<T> dO = random_matrix<T>(N, d_v, rng);
+  const attn::AttentionGrads<T> reference = attn::attention_backward(Q, K, V, dO, whole_options);
+  const int rank = world_rank();
+  const std::vector<Index> query_counts = uneven_split(N, world_size(), with_empty);
+  const std::vector<Index> key_counts =
+      N == M ? query_counts : uneven_split(M, world_size(), false);
+  const Index q0 = first_row(query_counts, rank);
+  const Index n = query_counts[static_cast<std::size_t>(rank)];
+  const Index k0 = first_row(key_counts, rank);
+  const Index m = key_counts[static_cast<std::size_t>(rank)];
+  attn::AttentionOptions<T> options = whole_options;
+  if (whole_options.mask) options.mask = attn::Mask(whole_options.mask->middleRows(q0, n));
+  if (whole_options.bias) options.bias = Matrix<T>(whole_options.bias->middleRows(q0, n));
+  const Matrix<T> Q_r = Q.middleRows(q0, n);
+  const Matrix<T> K_r = K.middleRows(k0, m);
+  const Matrix<T> V_r = V.middleRows(k0, m);
+  const Matrix<T> dO_r = dO.middleRows(q0, n);
+  attn::Vector<T> lse;
+  const Matrix<T> O = attn::ring_attention(MPI_COMM_WORLD, Q_r, K_r, V_r, options, lse);
+  ASSERT_EQ(lse.size(), n);
+  const attn::AttentionGrads<T> grads =
+      attn::ring_attention_backward(MPI_COMM_WORLD, Q_r, K_r, V_r, O, lse, dO_r, options);
+  // Each gradient against the largest entry of the whole sequence's (a rank's rows may be few).
+  const auto within = [](const Matrix<T>& got, const Matrix<T>& want, const Matrix<T>& whole) {
+    if (got.size() == 0) return 0.0;
+    return static_cast<double>((got - want).cwiseAbs().maxCoeff()) /
+           std::max(1e-300, static_cast<double>(whole.cwiseAbs().maxCoeff()));
+  };
+  ASSERT_EQ(grads.dQ.rows(), n);
+  ASSERT_EQ(grads.dK.rows(), m);
+  ASSERT_EQ(grads.dV.rows(), m);
+  EXPECT_LE(within(grads.dQ, reference.dQ.middleRows(q0, n), reference.dQ), tolerance<T>());
+  EXPECT_LE(within(grads.dK, reference.dK.middleRows(k0, m), reference.dK), tolerance<T>());
+  EXPECT_LE(within(grads.dV, reference.dV.middleRows(k0, m), reference.dV), tolerance<T>());
+  if (whole_options.bias) {
+    ASSERT_EQ(grads.dbias.rows(), n);
+    ASSERT_EQ(grads.dbias.cols(), M);
+    EXPECT_LE(within(grads.dbias, reference.dbias.middleRows(q0, n), reference.dbias),
+              tolerance<T>());
+  }
+  if (whole_options.sink) {
+    EXPECT_NEAR(static_cast<double>(grads.dsink), static_cast<double>(reference.dsink),
+                tolerance<T>() * std::max(1.0, std::abs(static_cast<double>(reference.dsink))));
+  }
+  // The same bits from one call to the next.
+  const attn::AttentionGrads<T> again =
+      attn::ring_attention_backward(MPI_COMM_WORLD, Q_r, K_r, V_r, O, lse, dO_r, options);
+  EXPECT_TRUE((again.dQ.array() == grads.dQ.array()).all());
+  EXPECT_TRUE((again.dK.array() == grads.dK.array()).all());
+  EXPECT_TRUE((again.dV.array() == grads.dV.array()).all());
+  EXPECT_EQ(again.dsink, grads.dsink);
+}
+
+TYPED_TEST(RingAttention, Backward) {
+  using T = TypeParam;
+  check_backward_case<T>("full", 96, 96, 16, 8, {}, false, 31);
+  check_backward_case<T>("cross, 70 queries over 150 keys", 70, 150, 16, 24, {}, true, 32);
+  attn::AttentionOptions<T> causal;
+  causal.causal = attn::Causal::BottomRight;
+  check_backward_case<T>("causal (zigzag), uneven with an empty rank", 157, 157, 32, 16, causal,
+                         true, 33);
+  causal.window = 13;
+  check_backward_case<T>("causal window 13", 120, 120, 16, 16, causal, false, 34);
+  attn::AttentionOptions<T> many;
+  many.causal = attn::Causal::BottomRight;
+  many.alibi_slope = T(0.125);
+  many.softcap = T(5);
+  many.sink = T(0.5);
+  many.scale = T(0.3);
+  check_backward_case<T>("causal, ALiBi, softcap, sink, scale", 140, 140, 16, 16, many, true, 35);
+  const Index N = 110;
+  std::mt19937 rng(36);
+  attn::AttentionOptions<T> tables;
+  tables.causal = attn::Causal::BottomRight;
+  tables.bias = random_matrix<T>(N, N, rng);
+  tables.mask = attn::Mask(N, N);
+  std::bernoulli_distribution keep(0.8);
+  for (Index i = 0; i < N; ++i) {
+    for (Index j = 0; j < N; ++j) (*tables.mask)(i, j) = keep(rng);
+  }
+  check_backward_case<T>("bias and mask rows, causal", N, N, 16, 16, tables, false, 37);
+}
+
 TEST(RingAttentionSchedule, CausalDealsRowsOutAndSkipsBlocksAboveTheDiagonal) {
   const Index N = 256;
   std::mt19937 rng(19);

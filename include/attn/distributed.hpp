@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -30,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "backward.hpp"
 #include "detail/online_softmax.hpp"
 #include "detail/score_rule.hpp"
 #include "error.hpp"
@@ -242,16 +244,15 @@ struct RingOperands {
 /// The ring itself, on operands already under their layouts. Returns per query head the output
 /// rows (this rank's rows under `query_layout`).
 template <class T>
-std::vector<Matrix<T>> ring_core(MPI_Comm comm, int rank, int ranks, const RowLayout& query_layout,
-                                 const RowLayout& key_layout, Index shift,
-                                 const AttentionOptions<T>& options, RingOperands<T>& in,
-                                 RingStats& stats) {
+void ring_core(MPI_Comm comm, int rank, int ranks, const RowLayout& query_layout,
+               const RowLayout& key_layout, Index shift, const AttentionOptions<T>& options,
+               RingOperands<T>& in, RingStats& stats, std::vector<Matrix<T>>& out,
+               std::vector<Vector<T>>& lse) {
   const Index group = in.heads_q / in.heads_kv;
   const Index my_rows = query_layout.rows(rank);
-  std::vector<Matrix<T>> out(static_cast<std::size_t>(in.heads_q),
-                             Matrix<T>::Zero(my_rows, in.d_v));
-  std::vector<Vector<T>> lse(static_cast<std::size_t>(in.heads_q),
-                             Vector<T>::Constant(my_rows, -std::numeric_limits<T>::infinity()));
+  out.assign(static_cast<std::size_t>(in.heads_q), Matrix<T>::Zero(my_rows, in.d_v));
+  lse.assign(static_cast<std::size_t>(in.heads_q),
+             Vector<T>::Constant(my_rows, -std::numeric_limits<T>::infinity()));
   const RowRanges& my_queries = query_layout.of_rank[static_cast<std::size_t>(rank)];
 
   // needed[x][b]: whether rank x's queries see any key of rank b's block.
@@ -380,7 +381,6 @@ std::vector<Matrix<T>> ring_core(MPI_Comm comm, int rank, int ranks, const RowLa
       }
     }
   }
-  return out;
 }
 
 /// The sizes every rank needs: its query rows, key rows, widths and heads, and whether its own
@@ -416,126 +416,432 @@ inline std::vector<RingSizes> gather_sizes(MPI_Comm comm, const RingSizes& mine,
   return all;
 }
 
-/// Both forms of `ring_attention` after their local checks: `Q` per query head (this rank's
-/// rows), `K` and `V` per key/value head.
-template <class T>
-std::vector<Matrix<T>> ring_heads(MPI_Comm user_comm, const std::vector<Matrix<T>>& Q,
-                                  const std::vector<Matrix<T>>& K, const std::vector<Matrix<T>>& V,
-                                  const AttentionOptions<T>& options, RingSizes mine,
-                                  std::string local_error, RingStats& stats) {
-  stats = RingStats{};
-  MPI_Comm comm = MPI_COMM_NULL;  // a communicator of its own: its messages meet no other's
-  mpi_check(MPI_Comm_dup(user_comm, &comm), "MPI_Comm_dup");
-  struct Freed {
-    MPI_Comm* comm;
-    ~Freed() { MPI_Comm_free(comm); }
-  } freed{&comm};
-  int rank = 0;
-  int ranks = 0;
-  mpi_check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
-  mpi_check(MPI_Comm_size(comm, &ranks), "MPI_Comm_size");
-  stats.ranks = ranks;
-
-  // The masks and biases are this rank's rows over all M keys: their width is checked once M
-  // is known.
-  std::vector<RingSizes> sizes;
-  {
-    // A first exchange for M, then the options' checks against it, then the verdict.
-    std::vector<std::int64_t> key_counts(static_cast<std::size_t>(ranks));
-    mpi_check(MPI_Allgather(&mine.m, 1, MPI_INT64_T, key_counts.data(), 1, MPI_INT64_T, comm),
-              "MPI_Allgather");
-    std::int64_t M = 0;
-    for (const std::int64_t count : key_counts) M += count;
-    if (local_error.empty()) {
-      try {
-        check_options("ring_attention", options, static_cast<Index>(mine.n), static_cast<Index>(M));
-      } catch (const shape_error& error) {
-        local_error = error.what();
+/// Everything a ring call decides before it moves data: its own communicator, the sizes of every
+/// rank, the layouts (home: each rank's own block; ring: the zigzag deal for causal, else home)
+/// and the global query position shift. Built collectively; throws on every rank together.
+class RingPlan {
+ public:
+  template <class T>
+  RingPlan(MPI_Comm user_comm, RingSizes mine, std::string local_error,
+           const AttentionOptions<T>& options) {
+    mpi_check(MPI_Comm_dup(user_comm, &comm_), "MPI_Comm_dup");
+    try {
+      mpi_check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+      mpi_check(MPI_Comm_size(comm_, &ranks_), "MPI_Comm_size");
+      // A first exchange for M, then the options' checks against it (masks and biases are this
+      // rank's rows over all M keys), then the verdict of every rank.
+      std::vector<std::int64_t> key_rows(static_cast<std::size_t>(ranks_));
+      mpi_check(MPI_Allgather(&mine.m, 1, MPI_INT64_T, key_rows.data(), 1, MPI_INT64_T, comm_),
+                "MPI_Allgather");
+      std::int64_t all_keys = 0;
+      for (const std::int64_t rows : key_rows) all_keys += rows;
+      if (local_error.empty()) {
+        try {
+          check_options("ring_attention", options, static_cast<Index>(mine.n),
+                        static_cast<Index>(all_keys));
+        } catch (const shape_error& error) {
+          local_error = error.what();
+        }
       }
+      mine.ok = local_error.empty() ? 1 : 0;
+      sizes_ = gather_sizes(comm_, mine, local_error);
+    } catch (...) {
+      MPI_Comm_free(&comm_);
+      throw;
     }
-    mine.ok = local_error.empty() ? 1 : 0;
-    sizes = gather_sizes(comm, mine, local_error);
+    std::vector<Index> query_counts;
+    std::vector<Index> key_counts;
+    for (const RingSizes& s : sizes_) {
+      query_counts.push_back(static_cast<Index>(s.n));
+      key_counts.push_back(static_cast<Index>(s.m));
+      N_ += static_cast<Index>(s.n);
+      M_ += static_cast<Index>(s.m);
+    }
+    shift_ = query_position(options, N_, M_);
+    query_home_ = contiguous_layout(query_counts);
+    key_home_ = contiguous_layout(key_counts);
+    // Zigzag for a causal mask without a window (with a window each rank's work is a band already).
+    zigzag_ = ranks_ > 1 && options.causal != Causal::None && !options.window;
+    query_layout_ = zigzag_ ? zigzag_layout(N_, ranks_) : query_home_;
+    key_layout_ = zigzag_ ? zigzag_layout(M_, ranks_) : key_home_;
   }
-  std::vector<Index> query_counts;
-  std::vector<Index> key_counts;
-  Index N = 0;
-  Index M = 0;
-  for (const RingSizes& s : sizes) {
-    query_counts.push_back(static_cast<Index>(s.n));
-    key_counts.push_back(static_cast<Index>(s.m));
-    N += static_cast<Index>(s.n);
-    M += static_cast<Index>(s.m);
-  }
-  const Index shift = query_position(options, N, M);
-  const RowLayout query_home = contiguous_layout(query_counts);
-  const RowLayout key_home = contiguous_layout(key_counts);
-  // Zigzag for a causal mask without a window (with a window every rank's work is a band already).
-  stats.zigzag = ranks > 1 && options.causal != Causal::None && !options.window;
-  const RowLayout query_layout = stats.zigzag ? zigzag_layout(N, ranks) : query_home;
-  const RowLayout key_layout = stats.zigzag ? zigzag_layout(M, ranks) : key_home;
+  RingPlan(const RingPlan&) = delete;
+  RingPlan& operator=(const RingPlan&) = delete;
+  ~RingPlan() { MPI_Comm_free(&comm_); }
 
-  RingOperands<T> in;
-  in.heads_q = static_cast<Index>(mine.heads_q);
-  in.heads_kv = static_cast<Index>(mine.heads_kv);
-  in.d_k = static_cast<Index>(mine.d_k);
-  in.d_v = static_cast<Index>(mine.d_v);
-  const Index my_queries = query_layout.rows(rank);
-  const Index my_keys = key_layout.rows(rank);
-  const double deal_start = MPI_Wtime();
-  // Each table moved from its home layout to the ring's (a copy when they are the same).
-  const auto deal = [&](const auto* data, Index width, auto* target, bool queries) {
-    const RowLayout& home = queries ? query_home : key_home;
-    const RowLayout& layout = queries ? query_layout : key_layout;
-    if (!stats.zigzag) {
-      std::copy(data, data + home.rows(rank) * width, target);
-      return;
+  MPI_Comm comm() const { return comm_; }
+  int rank() const { return rank_; }
+  int ranks() const { return ranks_; }
+  bool zigzag() const { return zigzag_; }
+  Index shift() const { return shift_; }
+  Index keys() const { return M_; }
+  const RingSizes& sizes(int r) const { return sizes_[static_cast<std::size_t>(r)]; }
+  const RowLayout& query_layout() const { return query_layout_; }
+  const RowLayout& key_layout() const { return key_layout_; }
+
+  /// Rows of a table (`width` columns, row-major) from this rank's own block to its rows under
+  /// the ring's layout (`queries`: the query rows' layouts, else the key rows'); a copy when the
+  /// two are the same. \returns the bytes sent to other ranks.
+  template <class S>
+  std::int64_t deal(const S* in, Index width, S* out, bool queries) const {
+    return move(in, width, out, queries ? query_home_ : key_home_,
+                queries ? query_layout_ : key_layout_);
+  }
+  /// The reverse of `deal`: rows under the ring's layout back to this rank's own block.
+  template <class S>
+  std::int64_t undeal(const S* in, Index width, S* out, bool queries) const {
+    return move(in, width, out, queries ? query_layout_ : key_layout_,
+                queries ? query_home_ : key_home_);
+  }
+
+ private:
+  template <class S>
+  std::int64_t move(const S* in, Index width, S* out, const RowLayout& from,
+                    const RowLayout& to) const {
+    if (!zigzag_) {
+      std::copy(in, in + from.rows(rank_) * width, out);
+      return 0;
     }
-    stats.redistribute_bytes_sent += move_rows(comm, rank, home, layout, data, width, target);
-  };
-  for (const Matrix<T>& Q_h : Q) {
-    in.Q.emplace_back(my_queries, in.d_k);
-    deal(Q_h.data(), in.d_k, in.Q.back().data(), true);
+    return move_rows(comm_, rank_, from, to, in, width, out);
   }
-  in.block.resize(static_cast<std::size_t>(in.heads_kv * my_keys * (in.d_k + in.d_v)));
-  for (Index g = 0; g < in.heads_kv; ++g) {
-    deal(K[static_cast<std::size_t>(g)].data(), in.d_k, in.block.data() + g * my_keys * in.d_k,
-         false);
-    deal(V[static_cast<std::size_t>(g)].data(), in.d_v,
-         in.block.data() + (in.heads_kv * in.d_k + g * in.d_v) * my_keys, false);
+
+  MPI_Comm comm_ = MPI_COMM_NULL;  // a communicator of its own: its messages meet no other's
+  int rank_ = 0;
+  int ranks_ = 1;
+  std::vector<RingSizes> sizes_;
+  Index N_ = 0;
+  Index M_ = 0;
+  Index shift_ = 0;
+  bool zigzag_ = false;
+  RowLayout query_home_, key_home_, query_layout_, key_layout_;
+};
+
+/// Per-head tables of this rank's rows (`rows` x `width` each) moved by `plan` into the ring's
+/// layout (`queries`: the query rows, else the key rows).
+template <class T>
+std::vector<Matrix<T>> deal_heads(const RingPlan& plan, const std::vector<Matrix<T>>& heads,
+                                  Index rows, Index width, bool queries, RingStats& stats) {
+  std::vector<Matrix<T>> dealt;
+  for (const Matrix<T>& head : heads) {
+    dealt.emplace_back(rows, width);
+    stats.redistribute_bytes_sent += plan.deal(head.data(), width, dealt.back().data(), queries);
   }
+  return dealt;
+}
+
+/// The options' mask and bias rows moved into the ring's layout (a bool mask travels as bytes).
+template <class T>
+void deal_tables(const RingPlan& plan, const AttentionOptions<T>& options, Index rows,
+                 RingOperands<T>& in, RingStats& stats) {
+  const Index M = plan.keys();
   if (options.mask) {
-    // bool is not an MPI type: the mask travels as bytes.
     const Mask& mask = *options.mask;
     std::vector<unsigned char> bytes(static_cast<std::size_t>(mask.size()));
     for (Index i = 0; i < mask.rows(); ++i) {
       for (Index j = 0; j < M; ++j) bytes[static_cast<std::size_t>(i * M + j)] = mask(i, j) ? 1 : 0;
     }
-    std::vector<unsigned char> dealt(static_cast<std::size_t>(my_queries * M));
-    deal(bytes.data(), M, dealt.data(), true);
-    in.mask = Mask(my_queries, M);
-    for (Index i = 0; i < my_queries; ++i) {
-      for (Index j = 0; j < M; ++j)
+    std::vector<unsigned char> dealt(static_cast<std::size_t>(rows * M));
+    stats.redistribute_bytes_sent += plan.deal(bytes.data(), M, dealt.data(), true);
+    in.mask = Mask(rows, M);
+    for (Index i = 0; i < rows; ++i) {
+      for (Index j = 0; j < M; ++j) {
         (*in.mask)(i, j) = dealt[static_cast<std::size_t>(i * M + j)] != 0;
+      }
     }
   }
   if (options.bias) {
-    in.bias = Matrix<T>(my_queries, M);
-    deal(options.bias->data(), M, in.bias->data(), true);
+    in.bias = Matrix<T>(rows, M);
+    stats.redistribute_bytes_sent += plan.deal(options.bias->data(), M, in.bias->data(), true);
   }
+}
+
+/// The operands of a ring call under the ring's layout: queries per head, the starting block
+/// (keys, then values, of every key/value head), mask and bias rows.
+template <class T>
+RingOperands<T> deal_operands(const RingPlan& plan, const std::vector<Matrix<T>>& Q,
+                              const std::vector<Matrix<T>>& K, const std::vector<Matrix<T>>& V,
+                              const AttentionOptions<T>& options, RingStats& stats) {
+  const RingSizes& mine = plan.sizes(plan.rank());
+  RingOperands<T> in;
+  in.heads_q = static_cast<Index>(mine.heads_q);
+  in.heads_kv = static_cast<Index>(mine.heads_kv);
+  in.d_k = static_cast<Index>(mine.d_k);
+  in.d_v = static_cast<Index>(mine.d_v);
+  const Index queries = plan.query_layout().rows(plan.rank());
+  const Index keys = plan.key_layout().rows(plan.rank());
+  in.Q = deal_heads(plan, Q, queries, in.d_k, true, stats);
+  in.block.resize(static_cast<std::size_t>(in.heads_kv * keys * (in.d_k + in.d_v)));
+  for (Index g = 0; g < in.heads_kv; ++g) {
+    const auto g_index = static_cast<std::size_t>(g);
+    stats.redistribute_bytes_sent +=
+        plan.deal(K[g_index].data(), in.d_k, in.block.data() + g * keys * in.d_k, false);
+    stats.redistribute_bytes_sent +=
+        plan.deal(V[g_index].data(), in.d_v,
+                  in.block.data() + (in.heads_kv * in.d_k + g * in.d_v) * keys, false);
+  }
+  deal_tables(plan, options, queries, in, stats);
+  return in;
+}
+
+/// The forward of every form of `ring_attention`, after the local checks: `Q` per query head
+/// (this rank's rows), `K` and `V` per key/value head. Returns per query head the output rows and,
+/// when `lse_out` is given, their log-sum-exp (sink included).
+template <class T>
+std::vector<Matrix<T>> ring_forward(MPI_Comm user_comm, const std::vector<Matrix<T>>& Q,
+                                    const std::vector<Matrix<T>>& K,
+                                    const std::vector<Matrix<T>>& V,
+                                    const AttentionOptions<T>& options, const RingSizes& mine,
+                                    const std::string& local_error, RingStats& stats,
+                                    std::vector<Vector<T>>* lse_out = nullptr) {
+  stats = RingStats{};
+  const RingPlan plan(user_comm, mine, local_error, options);
+  stats.ranks = plan.ranks();
+  stats.zigzag = plan.zigzag();
+  const double deal_start = MPI_Wtime();
+  RingOperands<T> in = deal_operands(plan, Q, K, V, options, stats);
   stats.redistribute_seconds += MPI_Wtime() - deal_start;
 
-  std::vector<Matrix<T>> dealt_out =
-      ring_core(comm, rank, ranks, query_layout, key_layout, shift, options, in, stats);
-  if (!stats.zigzag) return dealt_out;
+  std::vector<Matrix<T>> dealt_out;
+  std::vector<Vector<T>> dealt_lse;
+  ring_core(plan.comm(), plan.rank(), plan.ranks(), plan.query_layout(), plan.key_layout(),
+            plan.shift(), options, in, stats, dealt_out, dealt_lse);
   const double back_start = MPI_Wtime();
+  const Index rows = static_cast<Index>(mine.n);
   std::vector<Matrix<T>> out;
   for (const Matrix<T>& O_h : dealt_out) {
-    out.emplace_back(query_home.rows(rank), in.d_v);
-    stats.redistribute_bytes_sent +=
-        move_rows(comm, rank, query_layout, query_home, O_h.data(), in.d_v, out.back().data());
+    out.emplace_back(rows, in.d_v);
+    stats.redistribute_bytes_sent += plan.undeal(O_h.data(), in.d_v, out.back().data(), true);
+  }
+  if (lse_out) {
+    lse_out->clear();
+    for (const Vector<T>& lse_h : dealt_lse) {
+      lse_out->emplace_back(rows);
+      stats.redistribute_bytes_sent += plan.undeal(lse_h.data(), 1, lse_out->back().data(), true);
+    }
   }
   stats.redistribute_seconds += MPI_Wtime() - back_start;
   return out;
+}
+
+/// Gradients of one rank's rows from a ring call: per query head dQ, per key/value head dK and
+/// dV, the mask-shaped dbias rows (summed over the heads) and dsink (summed over every rank).
+template <class T>
+struct RingGradients {
+  std::vector<Matrix<T>> dQ, dK, dV;
+  Matrix<T> dbias;
+  T dsink = T(0);
+};
+
+/// The backward of `ring_attention`: key/value blocks go around the ring as in the forward, each
+/// followed one step behind by the dK and dV it has gathered so far; after a full turn the
+/// gathered gradients reach the block's owner. Each pair (query chunk, key chunk) in reach runs
+/// `attention_backward` with the forward's global output and log-sum-exp, which is exact: P =
+/// exp(z - lse) with the global lse is the pair's share of the whole softmax.
+template <class T>
+RingGradients<T> ring_backward(MPI_Comm user_comm, const std::vector<Matrix<T>>& Q,
+                               const std::vector<Matrix<T>>& K, const std::vector<Matrix<T>>& V,
+                               const std::vector<Matrix<T>>& O,
+                               const std::vector<Vector<T>>& log_sum_exp,
+                               const std::vector<Matrix<T>>& dO, const AttentionOptions<T>& options,
+                               const RingSizes& mine, const std::string& local_error,
+                               RingStats& stats) {
+  stats = RingStats{};
+  const RingPlan plan(user_comm, mine, local_error, options);
+  const MPI_Comm comm = plan.comm();
+  const int rank = plan.rank();
+  const int ranks = plan.ranks();
+  stats.ranks = ranks;
+  stats.zigzag = plan.zigzag();
+  const double deal_start = MPI_Wtime();
+  RingOperands<T> in = deal_operands(plan, Q, K, V, options, stats);
+  const Index my_rows = plan.query_layout().rows(rank);
+  const std::vector<Matrix<T>> O_dealt = deal_heads(plan, O, my_rows, in.d_v, true, stats);
+  const std::vector<Matrix<T>> dO_dealt = deal_heads(plan, dO, my_rows, in.d_v, true, stats);
+  std::vector<Vector<T>> lse_dealt;
+  for (const Vector<T>& lse_h : log_sum_exp) {
+    lse_dealt.emplace_back(my_rows);
+    stats.redistribute_bytes_sent += plan.deal(lse_h.data(), 1, lse_dealt.back().data(), true);
+  }
+  stats.redistribute_seconds += MPI_Wtime() - deal_start;
+
+  const RowLayout& key_layout = plan.key_layout();
+  const RowRanges& my_queries = plan.query_layout().of_rank[static_cast<std::size_t>(rank)];
+  const Index group = in.heads_q / in.heads_kv;
+  const Index width = in.d_k + in.d_v;
+  const auto wrap = [ranks](int r) { return ((r % ranks) + ranks) % ranks; };
+  const auto block_elements = [&](int b) { return key_layout.rows(b) * in.heads_kv * width; };
+  RingGradients<T> grads;
+  grads.dQ.assign(static_cast<std::size_t>(in.heads_q), Matrix<T>::Zero(my_rows, in.d_k));
+  if (in.bias) grads.dbias = Matrix<T>::Zero(my_rows, plan.keys());
+
+  AttentionOptions<T> pair_options = options;
+  pair_options.sink.reset();  // the lse carries it; dsink is computed once, below
+  pair_options.mask.reset();
+  pair_options.bias.reset();
+  std::vector<T> current = std::move(in.block);
+  std::vector<T> next;
+  std::vector<T> gathered;  // dK, dV of the block in hand, from the ranks before
+  std::vector<T> partial;   // this rank's share of them
+  std::vector<T> sending;   // the sum, on its way to the next rank
+  AttentionGrads<T> pair;
+  const int right = wrap(rank + 1);
+  const int left = wrap(rank - 1);
+  MPI_Request send_gathered = MPI_REQUEST_NULL;
+  for (int s = 0; s < ranks; ++s) {
+    const int b = wrap(rank - s);
+    const Index block_rows = key_layout.rows(b);
+    MPI_Request requests[3] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+    if (s + 1 < ranks) {
+      const int b_next = wrap(rank - s - 1);
+      next.resize(static_cast<std::size_t>(block_elements(b_next)));
+      mpi_check(MPI_Irecv(next.data(), mpi_count(block_elements(b_next)), mpi_datatype<T>(), left,
+                          2 * s, comm, &requests[0]),
+                "MPI_Irecv");
+      mpi_check(MPI_Isend(current.data(), mpi_count(block_elements(b)), mpi_datatype<T>(), right,
+                          2 * s, comm, &requests[1]),
+                "MPI_Isend");
+      stats.ring_bytes_sent +=
+          static_cast<std::int64_t>(block_elements(b)) * static_cast<std::int64_t>(sizeof(T));
+    }
+    if (s > 0) {
+      gathered.resize(static_cast<std::size_t>(block_elements(b)));
+      mpi_check(MPI_Irecv(gathered.data(), mpi_count(block_elements(b)), mpi_datatype<T>(), left,
+                          2 * s - 1, comm, &requests[2]),
+                "MPI_Irecv");
+    }
+    const double compute_start = MPI_Wtime();
+    const auto progress = [&requests, &send_gathered] {
+      int done = 0;
+      MPI_Testall(3, requests, &done, MPI_STATUSES_IGNORE);
+      MPI_Test(&send_gathered, &done, MPI_STATUS_IGNORE);
+    };
+    partial.assign(static_cast<std::size_t>(block_elements(b)), T(0));
+    const T* keys = current.data();
+    const T* values = current.data() + in.heads_kv * block_rows * in.d_k;
+    T* dkeys = partial.data();
+    T* dvalues = partial.data() + in.heads_kv * block_rows * in.d_k;
+    Index key_local = 0;
+    for (const auto& k : key_layout.of_rank[static_cast<std::size_t>(b)]) {
+      const Index key_count = k.second - k.first;
+      Index query_local = 0;
+      for (const auto& q : my_queries) {
+        const Index query_count = q.second - q.first;
+        if (!pair_visible(options, plan.shift(), q, k)) {
+          ++stats.pairs_skipped;
+          query_local += query_count;
+          continue;
+        }
+        ++stats.pairs_computed;
+        pair_options.query_offset = q.first + plan.shift() - k.first;
+        if (in.mask) {
+          pair_options.mask = Mask(in.mask->block(query_local, k.first, query_count, key_count));
+        }
+        if (in.bias) {
+          pair_options.bias =
+              Matrix<T>(in.bias->block(query_local, k.first, query_count, key_count));
+        }
+        for (Index h = 0; h < in.heads_q; ++h) {
+          const Index g = h / group;
+          const auto h_index = static_cast<std::size_t>(h);
+          const Eigen::Map<const Matrix<T>> K_g(keys + g * block_rows * in.d_k, block_rows, in.d_k);
+          const Eigen::Map<const Matrix<T>> V_g(values + g * block_rows * in.d_v, block_rows,
+                                                in.d_v);
+          attention_backward(
+              in.Q[h_index].middleRows(query_local, query_count),
+              K_g.middleRows(key_local, key_count), V_g.middleRows(key_local, key_count),
+              O_dealt[h_index].middleRows(query_local, query_count),
+              lse_dealt[h_index].segment(query_local, query_count),
+              dO_dealt[h_index].middleRows(query_local, query_count), pair_options, pair);
+          grads.dQ[h_index].middleRows(query_local, query_count) += pair.dQ;
+          Eigen::Map<Matrix<T>>(dkeys + g * block_rows * in.d_k, block_rows, in.d_k)
+              .middleRows(key_local, key_count) += pair.dK;
+          Eigen::Map<Matrix<T>>(dvalues + g * block_rows * in.d_v, block_rows, in.d_v)
+              .middleRows(key_local, key_count) += pair.dV;
+          if (in.bias) {
+            grads.dbias.block(query_local, k.first, query_count, key_count) += pair.dbias;
+          }
+          progress();
+        }
+        query_local += query_count;
+      }
+      key_local += key_count;
+    }
+    stats.compute_seconds += MPI_Wtime() - compute_start;
+    const double wait_start = MPI_Wtime();
+    mpi_check(MPI_Wait(&requests[2], MPI_STATUS_IGNORE), "MPI_Wait");
+    // What the ranks before gathered, then this rank's share: a fixed order.
+    if (s > 0) {
+      for (std::size_t e = 0; e < partial.size(); ++e) partial[e] = gathered[e] + partial[e];
+    }
+    mpi_check(MPI_Wait(&send_gathered, MPI_STATUS_IGNORE), "MPI_Wait");
+    std::swap(sending, partial);
+    mpi_check(MPI_Isend(sending.data(), mpi_count(block_elements(b)), mpi_datatype<T>(),
+                        ranks > 1 ? right : rank, 2 * s + 1, comm, &send_gathered),
+              "MPI_Isend");
+    if (ranks > 1) {
+      stats.ring_bytes_sent +=
+          static_cast<std::int64_t>(block_elements(b)) * static_cast<std::int64_t>(sizeof(T));
+    }
+    mpi_check(MPI_Waitall(2, requests, MPI_STATUSES_IGNORE), "MPI_Waitall");
+    stats.wait_seconds += MPI_Wtime() - wait_start;
+    if (s + 1 < ranks) std::swap(current, next);
+  }
+  // After a full turn the gradients of this rank's own block arrive from the left (on one rank,
+  // from itself).
+  std::vector<T> own(static_cast<std::size_t>(block_elements(rank)));
+  const double wait_start = MPI_Wtime();
+  mpi_check(MPI_Recv(own.data(), mpi_count(block_elements(rank)), mpi_datatype<T>(),
+                     ranks > 1 ? left : rank, 2 * ranks - 1, comm, MPI_STATUS_IGNORE),
+            "MPI_Recv");
+  mpi_check(MPI_Wait(&send_gathered, MPI_STATUS_IGNORE), "MPI_Wait");
+  stats.wait_seconds += MPI_Wtime() - wait_start;
+
+  // dsink = -sum_i exp(sink - lse_i) D_i, D_i = rowsum(dO o O)_i, over every rank's rows and
+  // heads, summed in rank order.
+  if (options.sink) {
+    T local = T(0);
+    for (Index h = 0; h < in.heads_q; ++h) {
+      const auto h_index = static_cast<std::size_t>(h);
+      for (Index i = 0; i < my_rows; ++i) {
+        const T lse_i = lse_dealt[h_index](i);
+        if (lse_i == -std::numeric_limits<T>::infinity()) continue;
+        const T D_i = dO_dealt[h_index].row(i).dot(O_dealt[h_index].row(i));
+        local -= std::exp(*options.sink - lse_i) * D_i;
+      }
+    }
+    std::vector<T> every(static_cast<std::size_t>(ranks));
+    mpi_check(MPI_Allgather(&local, 1, mpi_datatype<T>(), every.data(), 1, mpi_datatype<T>(), comm),
+              "MPI_Allgather");
+    for (const T value : every) grads.dsink += value;
+  }
+
+  const double back_start = MPI_Wtime();
+  const Index home_rows = static_cast<Index>(mine.n);
+  const Index home_keys = static_cast<Index>(mine.m);
+  const Index own_rows = key_layout.rows(rank);
+  std::vector<Matrix<T>> dQ_home;
+  for (const Matrix<T>& dQ_h : grads.dQ) {
+    dQ_home.emplace_back(home_rows, in.d_k);
+    stats.redistribute_bytes_sent += plan.undeal(dQ_h.data(), in.d_k, dQ_home.back().data(), true);
+  }
+  grads.dQ = std::move(dQ_home);
+  for (Index g = 0; g < in.heads_kv; ++g) {
+    grads.dK.emplace_back(home_keys, in.d_k);
+    stats.redistribute_bytes_sent +=
+        plan.undeal(own.data() + g * own_rows * in.d_k, in.d_k, grads.dK.back().data(), false);
+    grads.dV.emplace_back(home_keys, in.d_v);
+    stats.redistribute_bytes_sent +=
+        plan.undeal(own.data() + (in.heads_kv * in.d_k + g * in.d_v) * own_rows, in.d_v,
+                    grads.dV.back().data(), false);
+  }
+  if (in.bias) {
+    Matrix<T> dbias_home(home_rows, plan.keys());
+    stats.redistribute_bytes_sent +=
+        plan.undeal(grads.dbias.data(), plan.keys(), dbias_home.data(), true);
+    grads.dbias = std::move(dbias_home);
+  }
+  stats.redistribute_seconds += MPI_Wtime() - back_start;
+  return grads;
 }
 
 /// The local checks of one rank's operands, as a message ("" when they pass).
@@ -549,12 +855,36 @@ std::string local_check(F&& check) {
   return {};
 }
 
+/// The sizes of one rank's Matrix operands (one head).
+template <class DQ, class DK, class DV>
+detail::RingSizes matrix_sizes(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                               const Eigen::MatrixBase<DV>& V) {
+  detail::RingSizes mine;
+  mine.n = Q.rows();
+  mine.m = K.rows();
+  mine.d_k = Q.cols();
+  mine.d_v = V.cols();
+  mine.heads_q = 1;
+  mine.heads_kv = 1;
+  return mine;
+}
+
+/// The local checks of a rank's Matrix operands, as a message ("" when they pass).
+template <class DQ, class DK, class DV>
+std::string matrix_check(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                         const Eigen::MatrixBase<DV>& V) {
+  return local_check([&] {
+    require_same_cols("ring_attention", "K", K, "Q", Q);
+    require_same_rows("ring_attention", "V", V, "K", K);
+  });
+}
+
 }  // namespace detail
 
 /// Attention over a sequence split across the ranks of `comm`, in rank order: rank r passes its
 /// own rows of the queries, keys and values and receives its own output rows; the result equals
-/// single-process attention over the concatenated sequence (`flash_attention` on the whole Q, K
-/// and V with the same options), to rounding.
+/// single-process attention over the concatenated sequence (`scaled_dot_product_attention` on the
+/// whole Q, K and V with the same options), to rounding, and is the same bits from call to call.
 ///
 /// Every rank calls it (it is collective over `comm`). Ranks may hold different numbers of rows,
 /// zero included; n and m may differ (cross-attention: query rows and key rows are split
@@ -562,7 +892,7 @@ std::string local_check(F&& check) {
 /// `query_offset` over the global positions, window, window_right, ALiBi, softcap, sink and scale;
 /// `mask` and `bias`, when set, are this rank's rows over all M keys (n_r x M).
 ///
-/// \param Q  n_r x d_k, this rank's queries
+/// \param Q  n_r x d_k, this rank's queries (float or double)
 /// \param K  m_r x d_k, this rank's keys
 /// \param V  m_r x d_v, this rank's values
 /// \param stats  filled with what this rank did (times, bytes, pairs)
@@ -579,19 +909,9 @@ Matrix<typename DQ::Scalar> ring_attention(MPI_Comm comm, const Eigen::MatrixBas
   using T = typename DQ::Scalar;
   detail::require_same_scalar<DQ, DK>();
   detail::require_same_scalar<DQ, DV>();
-  const std::string error = detail::local_check([&] {
-    detail::require_same_cols("ring_attention", "K", K, "Q", Q);
-    detail::require_same_rows("ring_attention", "V", V, "K", K);
-  });
-  detail::RingSizes mine;
-  mine.n = Q.rows();
-  mine.m = K.rows();
-  mine.d_k = Q.cols();
-  mine.d_v = V.cols();
-  mine.heads_q = 1;
-  mine.heads_kv = 1;
-  std::vector<Matrix<T>> out = detail::ring_heads<T>(comm, {Matrix<T>(Q)}, {Matrix<T>(K)},
-                                                     {Matrix<T>(V)}, options, mine, error, stats);
+  std::vector<Matrix<T>> out =
+      detail::ring_forward<T>(comm, {Matrix<T>(Q)}, {Matrix<T>(K)}, {Matrix<T>(V)}, options,
+                              detail::matrix_sizes(Q, K, V), detail::matrix_check(Q, K, V), stats);
   return std::move(out.front());
 }
 
@@ -604,6 +924,119 @@ Matrix<typename DQ::Scalar> ring_attention(
   return ring_attention(comm, Q, K, V, options, stats);
 }
 
+/// `ring_attention` that also returns each of this rank's rows' log-sum-exp over all M keys, as
+/// `flash_attention` does (the sink included when set): what `ring_attention_backward` takes.
+/// \param log_sum_exp  resized to n_r
+template <class DQ, class DK, class DV>
+Matrix<typename DQ::Scalar> ring_attention(MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q,
+                                           const Eigen::MatrixBase<DK>& K,
+                                           const Eigen::MatrixBase<DV>& V,
+                                           const AttentionOptions<typename DQ::Scalar>& options,
+                                           Vector<typename DQ::Scalar>& log_sum_exp) {
+  using T = typename DQ::Scalar;
+  detail::require_same_scalar<DQ, DK>();
+  detail::require_same_scalar<DQ, DV>();
+  RingStats stats;
+  std::vector<Vector<T>> lse;
+  std::vector<Matrix<T>> out = detail::ring_forward<T>(
+      comm, {Matrix<T>(Q)}, {Matrix<T>(K)}, {Matrix<T>(V)}, options, detail::matrix_sizes(Q, K, V),
+      detail::matrix_check(Q, K, V), stats, &lse);
+  log_sum_exp = std::move(lse.front());
+  return std::move(out.front());
+}
+
+/// Gradients of `ring_attention` across the ranks of `comm` (collective), from the forward's own
+/// output and log-sum-exp (`ring_attention`'s overload returning it): each rank passes its rows
+/// and gets the gradients of its rows, `dQ` (n_r x d_k), `dK` (m_r x d_k), `dV` (m_r x d_v),
+/// `dbias` (n_r x M, when `options.bias` is set) and `dsink` (the whole sequence's, the same on
+/// every rank). Equal to `attention_backward` on the whole sequence to rounding, the same bits
+/// from call to call. Key/value blocks travel around the ring as in the forward, the dK and dV
+/// each block has gathered one step behind it; after a full turn they reach the block's owner.
+/// \throws as `ring_attention`, also when O, dO or log_sum_exp do not have n_r rows.
+template <class DQ, class DK, class DV, class DOut, class DL, class DG>
+AttentionGrads<typename DQ::Scalar> ring_attention_backward(
+    MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& O,
+    const Eigen::MatrixBase<DL>& log_sum_exp, const Eigen::MatrixBase<DG>& dO,
+    const AttentionOptions<typename DQ::Scalar>& options, RingStats& stats) {
+  using T = typename DQ::Scalar;
+  detail::require_same_scalar<DQ, DK>();
+  detail::require_same_scalar<DQ, DV>();
+  detail::require_same_scalar<DQ, DOut>();
+  detail::require_same_scalar<DQ, DL>();
+  detail::require_same_scalar<DQ, DG>();
+  std::string error = detail::matrix_check(Q, K, V);
+  if (error.empty()) {
+    error = detail::local_check([&] {
+      constexpr const char* function = "ring_attention_backward";
+      detail::require_same_rows(function, "O", O, "Q", Q);
+      detail::require_same_cols(function, "O", O, "V", V);
+      detail::require_same_rows(function, "dO", dO, "Q", Q);
+      detail::require_same_cols(function, "dO", dO, "V", V);
+      if (log_sum_exp.size() != Q.rows()) {
+        detail::fail(function, "log_sum_exp must have ", Q.rows(), " entries, got ",
+                     detail::shape_of(log_sum_exp));
+      }
+    });
+  }
+  const Vector<T> lse = log_sum_exp.derived().reshaped();
+  detail::RingGradients<T> grads = detail::ring_backward<T>(
+      comm, {Matrix<T>(Q)}, {Matrix<T>(K)}, {Matrix<T>(V)}, {Matrix<T>(O)}, {lse}, {Matrix<T>(dO)},
+      options, detail::matrix_sizes(Q, K, V), error, stats);
+  AttentionGrads<T> out;
+  out.dQ = std::move(grads.dQ.front());
+  out.dK = std::move(grads.dK.front());
+  out.dV = std::move(grads.dV.front());
+  out.dbias = std::move(grads.dbias);
+  out.dsink = grads.dsink;
+  return out;
+}
+
+/// `ring_attention_backward` without the statistics.
+template <class DQ, class DK, class DV, class DOut, class DL, class DG>
+AttentionGrads<typename DQ::Scalar> ring_attention_backward(
+    MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& O,
+    const Eigen::MatrixBase<DL>& log_sum_exp, const Eigen::MatrixBase<DG>& dO,
+    const AttentionOptions<typename DQ::Scalar>& options = {}) {
+  RingStats stats;
+  return ring_attention_backward(comm, Q, K, V, O, log_sum_exp, dO, options, stats);
+}
+
+namespace detail {
+
+/// The local checks and per-head tables of a rank's Tensor3 operands.
+template <class T>
+std::string heads_check(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V) {
+  return local_check([&] {
+    if (K.dimension(0) == 0 || Q.dimension(0) % K.dimension(0) != 0) {
+      fail("ring_attention", "K has ", K.dimension(0), " heads, which must divide Q's ",
+           Q.dimension(0));
+    }
+    if (K.dimension(0) != V.dimension(0) || K.dimension(1) != V.dimension(1)) {
+      fail("ring_attention", "K is (", K.dimension(0), ", ", K.dimension(1), ", ", K.dimension(2),
+           ") but V is (", V.dimension(0), ", ", V.dimension(1), ", ", V.dimension(2),
+           "): heads and tokens must agree");
+    }
+    if (Q.dimension(2) != K.dimension(2)) {
+      fail("ring_attention", "Q has ", Q.dimension(2), " features but K has ", K.dimension(2));
+    }
+  });
+}
+
+/// The heads of a (heads, rows, width) tensor as row-major tables.
+template <class T>
+std::vector<Matrix<T>> split_heads(const Tensor3<T>& X) {
+  std::vector<Matrix<T>> heads;
+  for (Index h = 0; h < X.dimension(0); ++h) {
+    heads.push_back(Eigen::Map<const Matrix<T>>(X.data() + h * X.dimension(1) * X.dimension(2),
+                                                X.dimension(1), X.dimension(2)));
+  }
+  return heads;
+}
+
+}  // namespace detail
+
 /// `ring_attention` over heads: `Q` (h_q, n_r, d_k), `K` (h_kv, m_r, d_k), `V` (h_kv, m_r, d_v),
 /// `h_q % h_kv == 0`; query head h reads key/value head `h / (h_q / h_kv)` (multi-head,
 /// grouped-query and multi-query attention). Every key/value head travels in one message per step.
@@ -613,31 +1046,6 @@ template <class T>
 Tensor3<T> ring_attention(MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& K,
                           const Tensor3<T>& V, const AttentionOptions<T>& options,
                           RingStats& stats) {
-  const std::string error = detail::local_check([&] {
-    if (K.dimension(0) == 0 || Q.dimension(0) % K.dimension(0) != 0) {
-      detail::fail("ring_attention", "K has ", K.dimension(0), " heads, which must divide Q's ",
-                   Q.dimension(0));
-    }
-    if (K.dimension(0) != V.dimension(0) || K.dimension(1) != V.dimension(1)) {
-      detail::fail("ring_attention", "K is (", K.dimension(0), ", ", K.dimension(1), ", ",
-                   K.dimension(2), ") but V is (", V.dimension(0), ", ", V.dimension(1), ", ",
-                   V.dimension(2), "): heads and tokens must agree");
-    }
-    if (Q.dimension(2) != K.dimension(2)) {
-      detail::fail("ring_attention", "Q has ", Q.dimension(2), " features but K has ",
-                   K.dimension(2));
-    }
-  });
-  std::vector<Matrix<T>> Q_heads, K_heads, V_heads;
-  const auto split = [](const Tensor3<T>& X, std::vector<Matrix<T>>& heads) {
-    for (Index h = 0; h < X.dimension(0); ++h) {
-      heads.push_back(Eigen::Map<const Matrix<T>>(X.data() + h * X.dimension(1) * X.dimension(2),
-                                                  X.dimension(1), X.dimension(2)));
-    }
-  };
-  split(Q, Q_heads);
-  split(K, K_heads);
-  split(V, V_heads);
   detail::RingSizes mine;
   mine.n = Q.dimension(1);
   mine.m = K.dimension(1);
@@ -645,12 +1053,13 @@ Tensor3<T> ring_attention(MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& 
   mine.d_v = V.dimension(2);
   mine.heads_q = Q.dimension(0);
   mine.heads_kv = K.dimension(0);
-  const std::vector<Matrix<T>> out =
-      detail::ring_heads<T>(comm, Q_heads, K_heads, V_heads, options, mine, error, stats);
+  const std::vector<Matrix<T>> out = detail::ring_forward<T>(
+      comm, detail::split_heads(Q), detail::split_heads(K), detail::split_heads(V), options, mine,
+      detail::heads_check(Q, K, V), stats);
   Tensor3<T> result(Q.dimension(0), Q.dimension(1), V.dimension(2));
   for (Index h = 0; h < Q.dimension(0); ++h) {
-    std::copy(out[static_cast<std::size_t>(h)].data(),
-              out[static_cast<std::size_t>(h)].data() + out[static_cast<std::size_t>(h)].size(),
+    const Matrix<T>& O_h = out[static_cast<std::size_t>(h)];
+    std::copy(O_h.data(), O_h.data() + O_h.size(),
               result.data() + h * Q.dimension(1) * V.dimension(2));
   }
   return result;
