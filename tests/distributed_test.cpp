@@ -153,6 +153,11 @@ TYPED_TEST(RingAttention, Causal) {
   // next block (the edge of the test that skips blocks).
   causal.query_offset = 1;
   check_case<T>("causal, query_offset 1", 97, 97, 16, 16, causal, true, 21);
+  // Blocks longer than the ring's 512 query rows at a time (attn::detail::ring_query_rows).
+  causal.query_offset.reset();
+  causal.causal = attn::Causal::BottomRight;
+  check_case<T>("causal, 2600 tokens", 2600, 2600, 16, 8, causal, false, 23);
+  check_case<T>("full, 2600 tokens", 2600, 2600, 16, 8, {}, true, 24);
 }
 
 TYPED_TEST(RingAttention, WindowsAlibiSoftcapSinkScale) {
@@ -338,6 +343,7 @@ TYPED_TEST(RingAttention, Backward) {
     for (Index j = 0; j < N; ++j) (*tables.mask)(i, j) = keep(rng);
   }
   check_backward_case<T>("bias and mask rows, causal", N, N, 16, 16, tables, false, 37);
+  check_backward_case<T>("causal, 2600 tokens", 2600, 2600, 16, 8, causal, false, 38);
 }
 
 TEST(RingAttentionSchedule, CausalDealsRowsOutAndSkipsBlocksAboveTheDiagonal) {

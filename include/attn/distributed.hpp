@@ -227,6 +227,22 @@ bool pair_visible(const AttentionOptions<T>& options, Index shift, std::pair<Ind
   return true;
 }
 
+/// A rank's rows of one head, read in place: row-major, rows adjacent.
+template <class T>
+using RowsMap = Eigen::Map<const Matrix<T>>;
+
+/// Per-head tables under the ring's layout: the caller's own rows when the layout is the home one
+/// (no copy), else the dealt copies in `storage`.
+template <class T>
+struct DealtHeads {
+  std::vector<Matrix<T>> storage;
+  std::vector<RowsMap<T>> heads;
+};
+
+/// The rows the ring computes at once: the kernel is called on at most this many queries, so that
+/// a test of the messages in flight (which lets MPI move them) comes often enough.
+constexpr Index ring_query_rows = 512;
+
 /// One rank's operands under the ring's layout: per query head its rows, the key/value block it
 /// starts with (all key/value heads packed: K heads, then V heads), and its mask/bias rows.
 template <class T>
@@ -235,7 +251,7 @@ struct RingOperands {
   Index heads_kv = 1;
   Index d_k = 0;
   Index d_v = 0;
-  std::vector<Matrix<T>> Q;  ///< heads_q tables of (this rank's rows) x d_k
+  DealtHeads<T> Q;           ///< heads_q tables of (this rank's rows) x d_k
   std::vector<T> block;      ///< heads_kv x rows x d_k keys, then heads_kv x rows x d_v values
   std::optional<Mask> mask;  ///< this rank's query rows x M (global key columns)
   std::optional<Matrix<T>> bias;
@@ -338,30 +354,30 @@ void ring_core(MPI_Comm comm, int rank, int ranks, const RowLayout& query_layout
           continue;
         }
         ++stats.pairs_computed;
-        pair_options.query_offset = q.first + shift - k.first;
-        if (in.mask) {
-          pair_options.mask = Mask(in.mask->block(query_local, k.first, query_count, key_count));
-        }
-        if (in.bias) {
-          pair_options.bias =
-              Matrix<T>(in.bias->block(query_local, k.first, query_count, key_count));
-        }
-        for (Index h = 0; h < in.heads_q; ++h) {
-          const Index g = h / group;
-          const Eigen::Map<const Matrix<T>> K_g(keys + g * block_rows * in.d_k, block_rows, in.d_k);
-          const Eigen::Map<const Matrix<T>> V_g(values + g * block_rows * in.d_v, block_rows,
-                                                in.d_v);
-          const auto h_index = static_cast<std::size_t>(h);
-          partial =
-              flash_attention(in.Q[h_index].middleRows(query_local, query_count),
-                              K_g.middleRows(key_local, key_count),
-                              V_g.middleRows(key_local, key_count), pair_options, partial_lse);
-          for (Index i = 0; i < query_count; ++i) {
-            T& row_lse = lse[h_index](query_local + i);
-            merge_partial<T>(out[h_index].row(query_local + i), row_lse, partial.row(i),
-                             partial_lse(i));
+        // The pair a few hundred query rows at a time, testing the messages in between.
+        for (Index c0 = 0; c0 < query_count; c0 += ring_query_rows) {
+          const Index rows = std::min(ring_query_rows, query_count - c0);
+          const Index first = query_local + c0;
+          if (!pair_visible(options, shift, {q.first + c0, q.first + c0 + rows}, k)) continue;
+          pair_options.query_offset = q.first + c0 + shift - k.first;
+          if (in.mask) pair_options.mask = Mask(in.mask->block(first, k.first, rows, key_count));
+          if (in.bias)
+            pair_options.bias = Matrix<T>(in.bias->block(first, k.first, rows, key_count));
+          for (Index h = 0; h < in.heads_q; ++h) {
+            const Index g = h / group;
+            const RowsMap<T> K_g(keys + g * block_rows * in.d_k, block_rows, in.d_k);
+            const RowsMap<T> V_g(values + g * block_rows * in.d_v, block_rows, in.d_v);
+            const auto h_index = static_cast<std::size_t>(h);
+            partial = flash_attention(
+                in.Q.heads[h_index].middleRows(first, rows), K_g.middleRows(key_local, key_count),
+                V_g.middleRows(key_local, key_count), pair_options, partial_lse);
+            for (Index i = 0; i < rows; ++i) {
+              T& row_lse = lse[h_index](first + i);
+              merge_partial<T>(out[h_index].row(first + i), row_lse, partial.row(i),
+                               partial_lse(i));
+            }
+            progress();
           }
-          progress();
         }
         query_local += query_count;
       }
@@ -516,16 +532,23 @@ class RingPlan {
   RowLayout query_home_, key_home_, query_layout_, key_layout_;
 };
 
-/// Per-head tables of this rank's rows (`rows` x `width` each) moved by `plan` into the ring's
-/// layout (`queries`: the query rows, else the key rows).
+/// Per-head tables of this rank's rows (`rows` x `width` each under the ring's layout) moved by
+/// `plan` into the ring's layout (`queries`: the query rows, else the key rows); read in place
+/// when the layout is the home one.
 template <class T>
-std::vector<Matrix<T>> deal_heads(const RingPlan& plan, const std::vector<Matrix<T>>& heads,
-                                  Index rows, Index width, bool queries, RingStats& stats) {
-  std::vector<Matrix<T>> dealt;
-  for (const Matrix<T>& head : heads) {
-    dealt.emplace_back(rows, width);
-    stats.redistribute_bytes_sent += plan.deal(head.data(), width, dealt.back().data(), queries);
+DealtHeads<T> deal_heads(const RingPlan& plan, const std::vector<RowsMap<T>>& heads, Index rows,
+                         Index width, bool queries, RingStats& stats) {
+  DealtHeads<T> dealt;
+  if (!plan.zigzag()) {
+    for (const RowsMap<T>& head : heads) dealt.heads.push_back(head);  // (a Map cannot be assigned)
+    return dealt;
   }
+  for (const RowsMap<T>& head : heads) {
+    dealt.storage.emplace_back(rows, width);
+    stats.redistribute_bytes_sent +=
+        plan.deal(head.data(), width, dealt.storage.back().data(), queries);
+  }
+  for (const Matrix<T>& head : dealt.storage) dealt.heads.emplace_back(head.data(), rows, width);
   return dealt;
 }
 
@@ -558,8 +581,8 @@ void deal_tables(const RingPlan& plan, const AttentionOptions<T>& options, Index
 /// The operands of a ring call under the ring's layout: queries per head, the starting block
 /// (keys, then values, of every key/value head), mask and bias rows.
 template <class T>
-RingOperands<T> deal_operands(const RingPlan& plan, const std::vector<Matrix<T>>& Q,
-                              const std::vector<Matrix<T>>& K, const std::vector<Matrix<T>>& V,
+RingOperands<T> deal_operands(const RingPlan& plan, const std::vector<RowsMap<T>>& Q,
+                              const std::vector<RowsMap<T>>& K, const std::vector<RowsMap<T>>& V,
                               const AttentionOptions<T>& options, RingStats& stats) {
   const RingSizes& mine = plan.sizes(plan.rank());
   RingOperands<T> in;
@@ -587,9 +610,9 @@ RingOperands<T> deal_operands(const RingPlan& plan, const std::vector<Matrix<T>>
 /// (this rank's rows), `K` and `V` per key/value head. Returns per query head the output rows and,
 /// when `lse_out` is given, their log-sum-exp (sink included).
 template <class T>
-std::vector<Matrix<T>> ring_forward(MPI_Comm user_comm, const std::vector<Matrix<T>>& Q,
-                                    const std::vector<Matrix<T>>& K,
-                                    const std::vector<Matrix<T>>& V,
+std::vector<Matrix<T>> ring_forward(MPI_Comm user_comm, const std::vector<RowsMap<T>>& Q,
+                                    const std::vector<RowsMap<T>>& K,
+                                    const std::vector<RowsMap<T>>& V,
                                     const AttentionOptions<T>& options, const RingSizes& mine,
                                     const std::string& local_error, RingStats& stats,
                                     std::vector<Vector<T>>* lse_out = nullptr) {
@@ -605,6 +628,10 @@ std::vector<Matrix<T>> ring_forward(MPI_Comm user_comm, const std::vector<Matrix
   std::vector<Vector<T>> dealt_lse;
   ring_core(plan.comm(), plan.rank(), plan.ranks(), plan.query_layout(), plan.key_layout(),
             plan.shift(), options, in, stats, dealt_out, dealt_lse);
+  if (!plan.zigzag()) {
+    if (lse_out) *lse_out = std::move(dealt_lse);
+    return dealt_out;
+  }
   const double back_start = MPI_Wtime();
   const Index rows = static_cast<Index>(mine.n);
   std::vector<Matrix<T>> out;
@@ -638,13 +665,13 @@ struct RingGradients {
 /// `attention_backward` with the forward's global output and log-sum-exp, which is exact: P =
 /// exp(z - lse) with the global lse is the pair's share of the whole softmax.
 template <class T>
-RingGradients<T> ring_backward(MPI_Comm user_comm, const std::vector<Matrix<T>>& Q,
-                               const std::vector<Matrix<T>>& K, const std::vector<Matrix<T>>& V,
-                               const std::vector<Matrix<T>>& O,
+RingGradients<T> ring_backward(MPI_Comm user_comm, const std::vector<RowsMap<T>>& Q,
+                               const std::vector<RowsMap<T>>& K, const std::vector<RowsMap<T>>& V,
+                               const std::vector<RowsMap<T>>& O,
                                const std::vector<Vector<T>>& log_sum_exp,
-                               const std::vector<Matrix<T>>& dO, const AttentionOptions<T>& options,
-                               const RingSizes& mine, const std::string& local_error,
-                               RingStats& stats) {
+                               const std::vector<RowsMap<T>>& dO,
+                               const AttentionOptions<T>& options, const RingSizes& mine,
+                               const std::string& local_error, RingStats& stats) {
   stats = RingStats{};
   const RingPlan plan(user_comm, mine, local_error, options);
   const MPI_Comm comm = plan.comm();
@@ -655,8 +682,8 @@ RingGradients<T> ring_backward(MPI_Comm user_comm, const std::vector<Matrix<T>>&
   const double deal_start = MPI_Wtime();
   RingOperands<T> in = deal_operands(plan, Q, K, V, options, stats);
   const Index my_rows = plan.query_layout().rows(rank);
-  const std::vector<Matrix<T>> O_dealt = deal_heads(plan, O, my_rows, in.d_v, true, stats);
-  const std::vector<Matrix<T>> dO_dealt = deal_heads(plan, dO, my_rows, in.d_v, true, stats);
+  const DealtHeads<T> O_dealt = deal_heads(plan, O, my_rows, in.d_v, true, stats);
+  const DealtHeads<T> dO_dealt = deal_heads(plan, dO, my_rows, in.d_v, true, stats);
   std::vector<Vector<T>> lse_dealt;
   for (const Vector<T>& lse_h : log_sum_exp) {
     lse_dealt.emplace_back(my_rows);
@@ -732,35 +759,36 @@ RingGradients<T> ring_backward(MPI_Comm user_comm, const std::vector<Matrix<T>>&
           continue;
         }
         ++stats.pairs_computed;
-        pair_options.query_offset = q.first + plan.shift() - k.first;
-        if (in.mask) {
-          pair_options.mask = Mask(in.mask->block(query_local, k.first, query_count, key_count));
-        }
-        if (in.bias) {
-          pair_options.bias =
-              Matrix<T>(in.bias->block(query_local, k.first, query_count, key_count));
-        }
-        for (Index h = 0; h < in.heads_q; ++h) {
-          const Index g = h / group;
-          const auto h_index = static_cast<std::size_t>(h);
-          const Eigen::Map<const Matrix<T>> K_g(keys + g * block_rows * in.d_k, block_rows, in.d_k);
-          const Eigen::Map<const Matrix<T>> V_g(values + g * block_rows * in.d_v, block_rows,
-                                                in.d_v);
-          attention_backward(
-              in.Q[h_index].middleRows(query_local, query_count),
-              K_g.middleRows(key_local, key_count), V_g.middleRows(key_local, key_count),
-              O_dealt[h_index].middleRows(query_local, query_count),
-              lse_dealt[h_index].segment(query_local, query_count),
-              dO_dealt[h_index].middleRows(query_local, query_count), pair_options, pair);
-          grads.dQ[h_index].middleRows(query_local, query_count) += pair.dQ;
-          Eigen::Map<Matrix<T>>(dkeys + g * block_rows * in.d_k, block_rows, in.d_k)
-              .middleRows(key_local, key_count) += pair.dK;
-          Eigen::Map<Matrix<T>>(dvalues + g * block_rows * in.d_v, block_rows, in.d_v)
-              .middleRows(key_local, key_count) += pair.dV;
-          if (in.bias) {
-            grads.dbias.block(query_local, k.first, query_count, key_count) += pair.dbias;
+        // The pair a few hundred query rows at a time, testing the messages in between.
+        for (Index c0 = 0; c0 < query_count; c0 += ring_query_rows) {
+          const Index rows = std::min(ring_query_rows, query_count - c0);
+          const Index first = query_local + c0;
+          if (!pair_visible(options, plan.shift(), {q.first + c0, q.first + c0 + rows}, k)) {
+            continue;
           }
-          progress();
+          pair_options.query_offset = q.first + c0 + plan.shift() - k.first;
+          if (in.mask) pair_options.mask = Mask(in.mask->block(first, k.first, rows, key_count));
+          if (in.bias)
+            pair_options.bias = Matrix<T>(in.bias->block(first, k.first, rows, key_count));
+          for (Index h = 0; h < in.heads_q; ++h) {
+            const Index g = h / group;
+            const auto h_index = static_cast<std::size_t>(h);
+            const RowsMap<T> K_g(keys + g * block_rows * in.d_k, block_rows, in.d_k);
+            const RowsMap<T> V_g(values + g * block_rows * in.d_v, block_rows, in.d_v);
+            attention_backward(in.Q.heads[h_index].middleRows(first, rows),
+                               K_g.middleRows(key_local, key_count),
+                               V_g.middleRows(key_local, key_count),
+                               O_dealt.heads[h_index].middleRows(first, rows),
+                               lse_dealt[h_index].segment(first, rows),
+                               dO_dealt.heads[h_index].middleRows(first, rows), pair_options, pair);
+            grads.dQ[h_index].middleRows(first, rows) += pair.dQ;
+            Eigen::Map<Matrix<T>>(dkeys + g * block_rows * in.d_k, block_rows, in.d_k)
+                .middleRows(key_local, key_count) += pair.dK;
+            Eigen::Map<Matrix<T>>(dvalues + g * block_rows * in.d_v, block_rows, in.d_v)
+                .middleRows(key_local, key_count) += pair.dV;
+            if (in.bias) grads.dbias.block(first, k.first, rows, key_count) += pair.dbias;
+            progress();
+          }
         }
         query_local += query_count;
       }
@@ -805,7 +833,7 @@ RingGradients<T> ring_backward(MPI_Comm user_comm, const std::vector<Matrix<T>>&
       for (Index i = 0; i < my_rows; ++i) {
         const T lse_i = lse_dealt[h_index](i);
         if (lse_i == -std::numeric_limits<T>::infinity()) continue;
-        const T D_i = dO_dealt[h_index].row(i).dot(O_dealt[h_index].row(i));
+        const T D_i = dO_dealt.heads[h_index].row(i).dot(O_dealt.heads[h_index].row(i));
         local -= std::exp(*options.sink - lse_i) * D_i;
       }
     }
@@ -853,6 +881,21 @@ std::string local_check(F&& check) {
     return error.what();
   }
   return {};
+}
+
+/// `X` read in place when it is row-major with its rows adjacent (a `Matrix<T>` or some of its
+/// rows), else evaluated once into `copy`.
+template <class Derived>
+RowsMap<typename Derived::Scalar> rows_of(const Eigen::MatrixBase<Derived>& X,
+                                          Matrix<typename Derived::Scalar>& copy) {
+  using T = typename Derived::Scalar;
+  if constexpr (bool(Derived::Flags & Eigen::DirectAccessBit) && bool(Derived::IsRowMajor)) {
+    if (X.derived().outerStride() == X.cols() || X.rows() <= 1) {
+      return RowsMap<T>(X.derived().data(), X.rows(), X.cols());
+    }
+  }
+  copy = X;
+  return RowsMap<T>(copy.data(), copy.rows(), copy.cols());
 }
 
 /// The sizes of one rank's Matrix operands (one head).
@@ -909,9 +952,11 @@ Matrix<typename DQ::Scalar> ring_attention(MPI_Comm comm, const Eigen::MatrixBas
   using T = typename DQ::Scalar;
   detail::require_same_scalar<DQ, DK>();
   detail::require_same_scalar<DQ, DV>();
+  Matrix<T> Q_copy, K_copy, V_copy;
   std::vector<Matrix<T>> out =
-      detail::ring_forward<T>(comm, {Matrix<T>(Q)}, {Matrix<T>(K)}, {Matrix<T>(V)}, options,
-                              detail::matrix_sizes(Q, K, V), detail::matrix_check(Q, K, V), stats);
+      detail::ring_forward<T>(comm, {detail::rows_of(Q, Q_copy)}, {detail::rows_of(K, K_copy)},
+                              {detail::rows_of(V, V_copy)}, options, detail::matrix_sizes(Q, K, V),
+                              detail::matrix_check(Q, K, V), stats);
   return std::move(out.front());
 }
 
@@ -938,9 +983,11 @@ Matrix<typename DQ::Scalar> ring_attention(MPI_Comm comm, const Eigen::MatrixBas
   detail::require_same_scalar<DQ, DV>();
   RingStats stats;
   std::vector<Vector<T>> lse;
-  std::vector<Matrix<T>> out = detail::ring_forward<T>(
-      comm, {Matrix<T>(Q)}, {Matrix<T>(K)}, {Matrix<T>(V)}, options, detail::matrix_sizes(Q, K, V),
-      detail::matrix_check(Q, K, V), stats, &lse);
+  Matrix<T> Q_copy, K_copy, V_copy;
+  std::vector<Matrix<T>> out =
+      detail::ring_forward<T>(comm, {detail::rows_of(Q, Q_copy)}, {detail::rows_of(K, K_copy)},
+                              {detail::rows_of(V, V_copy)}, options, detail::matrix_sizes(Q, K, V),
+                              detail::matrix_check(Q, K, V), stats, &lse);
   log_sum_exp = std::move(lse.front());
   return std::move(out.front());
 }
@@ -980,9 +1027,11 @@ AttentionGrads<typename DQ::Scalar> ring_attention_backward(
     });
   }
   const Vector<T> lse = log_sum_exp.derived().reshaped();
+  Matrix<T> Q_copy, K_copy, V_copy, O_copy, dO_copy;
   detail::RingGradients<T> grads = detail::ring_backward<T>(
-      comm, {Matrix<T>(Q)}, {Matrix<T>(K)}, {Matrix<T>(V)}, {Matrix<T>(O)}, {lse}, {Matrix<T>(dO)},
-      options, detail::matrix_sizes(Q, K, V), error, stats);
+      comm, {detail::rows_of(Q, Q_copy)}, {detail::rows_of(K, K_copy)},
+      {detail::rows_of(V, V_copy)}, {detail::rows_of(O, O_copy)}, {lse},
+      {detail::rows_of(dO, dO_copy)}, options, detail::matrix_sizes(Q, K, V), error, stats);
   AttentionGrads<T> out;
   out.dQ = std::move(grads.dQ.front());
   out.dK = std::move(grads.dK.front());
@@ -1024,13 +1073,13 @@ std::string heads_check(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<
   });
 }
 
-/// The heads of a (heads, rows, width) tensor as row-major tables.
+/// The heads of a (heads, rows, width) tensor as row-major tables, read in place.
 template <class T>
-std::vector<Matrix<T>> split_heads(const Tensor3<T>& X) {
-  std::vector<Matrix<T>> heads;
+std::vector<RowsMap<T>> split_heads(const Tensor3<T>& X) {
+  std::vector<RowsMap<T>> heads;
   for (Index h = 0; h < X.dimension(0); ++h) {
-    heads.push_back(Eigen::Map<const Matrix<T>>(X.data() + h * X.dimension(1) * X.dimension(2),
-                                                X.dimension(1), X.dimension(2)));
+    heads.emplace_back(X.data() + h * X.dimension(1) * X.dimension(2), X.dimension(1),
+                       X.dimension(2));
   }
   return heads;
 }
