@@ -248,6 +248,49 @@ TYPED_TEST(RingAttention, HeadsAndGroupedQueries) {
   if (n > 0) {
     EXPECT_LE(worst / largest, tolerance<T>());
   }
+
+  // The backward over heads: against attention_heads_backward on the whole sequence, with a sink
+  // and a bias this time (dK and dV sum over each group's query heads; dbias and dsink over all).
+  options.sink = T(0.25);
+  options.bias = random_matrix<T>(N, N, rng);
+  attn::Tensor3<T> dO(h_q, N, d);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (Index k = 0; k < dO.size(); ++k) dO.data()[k] = static_cast<T>(normal(rng));
+  const attn::HeadGrads<T> whole = attn::attention_heads_backward(Q, K, V, dO, options);
+  attn::AttentionOptions<T> mine = options;
+  mine.bias = Matrix<T>(options.bias->middleRows(q0, n));
+  Matrix<T> lse;
+  const attn::Tensor3<T> O =
+      attn::ring_attention(MPI_COMM_WORLD, rows(Q), rows(K), rows(V), mine, lse);
+  ASSERT_EQ(lse.rows(), h_q);
+  ASSERT_EQ(lse.cols(), n);
+  const attn::HeadGrads<T> grads = attn::ring_attention_backward(MPI_COMM_WORLD, rows(Q), rows(K),
+                                                                 rows(V), O, lse, rows(dO), mine);
+  const auto compare = [&](const attn::Tensor3<T>& got, const attn::Tensor3<T>& of_whole,
+                           const char* name) {
+    const attn::Tensor3<T> want = rows(of_whole);
+    ASSERT_EQ(got.size(), want.size()) << name;
+    double error = 0, scale = 0;
+    for (Index k = 0; k < of_whole.size(); ++k) {
+      scale = std::max(scale, std::abs(static_cast<double>(of_whole.data()[k])));
+    }
+    for (Index k = 0; k < got.size(); ++k) {
+      error = std::max(error, std::abs(static_cast<double>(got.data()[k] - want.data()[k])));
+    }
+    EXPECT_LE(error / scale, tolerance<T>()) << name;
+  };
+  compare(grads.dQ, whole.dQ, "dQ");
+  compare(grads.dK, whole.dK, "dK");
+  compare(grads.dV, whole.dV, "dV");
+  ASSERT_EQ(grads.dbias.rows(), n);
+  if (n > 0) {
+    EXPECT_LE(
+        static_cast<double>((grads.dbias - whole.dbias.middleRows(q0, n)).cwiseAbs().maxCoeff()) /
+            static_cast<double>(whole.dbias.cwiseAbs().maxCoeff()),
+        tolerance<T>());
+  }
+  EXPECT_NEAR(static_cast<double>(grads.dsink), static_cast<double>(whole.dsink),
+              tolerance<T>() * std::max(1.0, std::abs(static_cast<double>(whole.dsink))));
 }
 
 /// The backward of one case: `ring_attention` (with its log-sum-exp) then

@@ -36,6 +36,7 @@
 #include "detail/score_rule.hpp"
 #include "error.hpp"
 #include "flash.hpp"
+#include "heads.hpp"
 #include "tensor.hpp"
 #include "types.hpp"
 
@@ -1086,6 +1087,34 @@ std::vector<RowsMap<T>> split_heads(const Tensor3<T>& X) {
 
 }  // namespace detail
 
+namespace detail {
+
+/// The sizes of a rank's Tensor3 operands.
+template <class T>
+RingSizes tensor_sizes(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V) {
+  RingSizes mine;
+  mine.n = Q.dimension(1);
+  mine.m = K.dimension(1);
+  mine.d_k = Q.dimension(2);
+  mine.d_v = V.dimension(2);
+  mine.heads_q = Q.dimension(0);
+  mine.heads_kv = K.dimension(0);
+  return mine;
+}
+
+/// Per-head tables (rows x width each) as one (heads, rows, width) tensor.
+template <class T>
+Tensor3<T> join_heads(const std::vector<Matrix<T>>& heads, Index rows, Index width) {
+  Tensor3<T> joined(static_cast<Index>(heads.size()), rows, width);
+  for (std::size_t h = 0; h < heads.size(); ++h) {
+    std::copy(heads[h].data(), heads[h].data() + rows * width,
+              joined.data() + static_cast<Index>(h) * rows * width);
+  }
+  return joined;
+}
+
+}  // namespace detail
+
 /// `ring_attention` over heads: `Q` (h_q, n_r, d_k), `K` (h_kv, m_r, d_k), `V` (h_kv, m_r, d_v),
 /// `h_q % h_kv == 0`; query head h reads key/value head `h / (h_q / h_kv)` (multi-head,
 /// grouped-query and multi-query attention). Every key/value head travels in one message per step.
@@ -1095,23 +1124,10 @@ template <class T>
 Tensor3<T> ring_attention(MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& K,
                           const Tensor3<T>& V, const AttentionOptions<T>& options,
                           RingStats& stats) {
-  detail::RingSizes mine;
-  mine.n = Q.dimension(1);
-  mine.m = K.dimension(1);
-  mine.d_k = Q.dimension(2);
-  mine.d_v = V.dimension(2);
-  mine.heads_q = Q.dimension(0);
-  mine.heads_kv = K.dimension(0);
   const std::vector<Matrix<T>> out = detail::ring_forward<T>(
-      comm, detail::split_heads(Q), detail::split_heads(K), detail::split_heads(V), options, mine,
-      detail::heads_check(Q, K, V), stats);
-  Tensor3<T> result(Q.dimension(0), Q.dimension(1), V.dimension(2));
-  for (Index h = 0; h < Q.dimension(0); ++h) {
-    const Matrix<T>& O_h = out[static_cast<std::size_t>(h)];
-    std::copy(O_h.data(), O_h.data() + O_h.size(),
-              result.data() + h * Q.dimension(1) * V.dimension(2));
-  }
-  return result;
+      comm, detail::split_heads(Q), detail::split_heads(K), detail::split_heads(V), options,
+      detail::tensor_sizes(Q, K, V), detail::heads_check(Q, K, V), stats);
+  return detail::join_heads(out, Q.dimension(1), V.dimension(2));
 }
 
 /// `ring_attention` over heads without the statistics.
@@ -1120,6 +1136,87 @@ Tensor3<T> ring_attention(MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& 
                           const Tensor3<T>& V, const AttentionOptions<T>& options = {}) {
   RingStats stats;
   return ring_attention(comm, Q, K, V, options, stats);
+}
+
+/// `ring_attention` over heads that also returns each query head's log-sum-exp of this rank's
+/// rows, as `attention_heads` does.
+/// \param log_sum_exp  resized to h_q x n_r (the sink included when set)
+template <class T>
+Tensor3<T> ring_attention(MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& K,
+                          const Tensor3<T>& V, const AttentionOptions<T>& options,
+                          Matrix<T>& log_sum_exp) {
+  RingStats stats;
+  std::vector<Vector<T>> lse;
+  const std::vector<Matrix<T>> out = detail::ring_forward<T>(
+      comm, detail::split_heads(Q), detail::split_heads(K), detail::split_heads(V), options,
+      detail::tensor_sizes(Q, K, V), detail::heads_check(Q, K, V), stats, &lse);
+  log_sum_exp.resize(Q.dimension(0), Q.dimension(1));
+  for (Index h = 0; h < Q.dimension(0); ++h) {
+    log_sum_exp.row(h) = lse[static_cast<std::size_t>(h)].transpose();
+  }
+  return detail::join_heads(out, Q.dimension(1), V.dimension(2));
+}
+
+/// Gradients of `ring_attention` over heads (collective), from the forward's own output O
+/// (h_q, n_r, d_v) and log-sum-exp (h_q x n_r): dQ (h_q, n_r, d_k), dK (h_kv, m_r, d_k) and dV
+/// (h_kv, m_r, d_v) of this rank's rows, each key/value head's the sum over its query heads (in
+/// head order), dbias (n_r x M, summed over the heads) and dsink (the whole sequence's, summed over
+/// the heads). `dbiases` and `dsinks` stay empty (no per-head options). Equal to
+/// `attention_heads_backward` on the whole sequence to rounding.
+template <class T>
+HeadGrads<T> ring_attention_backward(MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& K,
+                                     const Tensor3<T>& V, const Tensor3<T>& O,
+                                     const Matrix<T>& log_sum_exp, const Tensor3<T>& dO,
+                                     const AttentionOptions<T>& options, RingStats& stats) {
+  std::string error = detail::heads_check(Q, K, V);
+  const auto same_shape = [&](const Tensor3<T>& X) {
+    return X.dimension(0) == Q.dimension(0) && X.dimension(1) == Q.dimension(1) &&
+           X.dimension(2) == V.dimension(2);
+  };
+  if (error.empty()) {
+    error = detail::local_check([&] {
+      constexpr const char* function = "ring_attention_backward";
+      for (const auto& [name, X] : {std::pair<const char*, const Tensor3<T>*>{"O", &O},
+                                    std::pair<const char*, const Tensor3<T>*>{"dO", &dO}}) {
+        if (!same_shape(*X)) {
+          detail::fail(function, name, " is (", X->dimension(0), ", ", X->dimension(1), ", ",
+                       X->dimension(2), "), expected (", Q.dimension(0), ", ", Q.dimension(1), ", ",
+                       V.dimension(2), ")");
+        }
+      }
+      if (log_sum_exp.rows() != Q.dimension(0) || log_sum_exp.cols() != Q.dimension(1)) {
+        detail::fail(function, "log_sum_exp is ", detail::shape_of(log_sum_exp), ", expected ",
+                     Q.dimension(0), " x ", Q.dimension(1));
+      }
+    });
+  }
+  // (When a check failed the ring throws before it reads any of these.)
+  std::vector<Vector<T>> lse;
+  for (Index h = 0; h < Q.dimension(0); ++h) {
+    lse.push_back(error.empty() ? Vector<T>(log_sum_exp.row(h).transpose())
+                                : Vector<T>::Zero(Q.dimension(1)));
+  }
+  detail::RingGradients<T> grads = detail::ring_backward<T>(
+      comm, detail::split_heads(Q), detail::split_heads(K), detail::split_heads(V),
+      detail::split_heads(error.empty() ? O : Q), lse, detail::split_heads(error.empty() ? dO : Q),
+      options, detail::tensor_sizes(Q, K, V), error, stats);
+  HeadGrads<T> out;
+  out.dQ = detail::join_heads(grads.dQ, Q.dimension(1), Q.dimension(2));
+  out.dK = detail::join_heads(grads.dK, K.dimension(1), K.dimension(2));
+  out.dV = detail::join_heads(grads.dV, V.dimension(1), V.dimension(2));
+  out.dbias = std::move(grads.dbias);
+  out.dsink = grads.dsink;
+  return out;
+}
+
+/// `ring_attention_backward` over heads without the statistics.
+template <class T>
+HeadGrads<T> ring_attention_backward(MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& K,
+                                     const Tensor3<T>& V, const Tensor3<T>& O,
+                                     const Matrix<T>& log_sum_exp, const Tensor3<T>& dO,
+                                     const AttentionOptions<T>& options = {}) {
+  RingStats stats;
+  return ring_attention_backward(comm, Q, K, V, O, log_sum_exp, dO, options, stats);
 }
 
 }  // namespace attn
