@@ -158,6 +158,9 @@ TYPED_TEST(RingAttention, Causal) {
   causal.causal = attn::Causal::BottomRight;
   check_case<T>("causal, 2600 tokens", 2600, 2600, 16, 8, causal, false, 23);
   check_case<T>("full, 2600 tokens", 2600, 2600, 16, 8, {}, true, 24);
+  // Fewer tokens than the zigzag's 2P chunks: some chunks, and some ranks, hold nothing.
+  check_case<T>("causal, 5 tokens", 5, 5, 8, 8, causal, true, 25);
+  check_case<T>("causal, 1 token", 1, 1, 8, 8, causal, false, 26);
 }
 
 TYPED_TEST(RingAttention, WindowsAlibiSoftcapSinkScale) {
@@ -386,7 +389,9 @@ TYPED_TEST(RingAttention, Backward) {
     for (Index j = 0; j < N; ++j) (*tables.mask)(i, j) = keep(rng);
   }
   check_backward_case<T>("bias and mask rows, causal", N, N, 16, 16, tables, false, 37);
+  causal.window.reset();
   check_backward_case<T>("causal, 2600 tokens", 2600, 2600, 16, 8, causal, false, 38);
+  check_backward_case<T>("causal, 5 tokens", 5, 5, 8, 8, causal, true, 39);
 }
 
 TEST(RingAttentionSchedule, CausalDealsRowsOutAndSkipsBlocksAboveTheDiagonal) {
