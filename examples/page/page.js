@@ -160,7 +160,9 @@
     { key: 'matrices', label: '5 three matrices',
       text: 'The 3 tokens are given as Q, K and V directly, with no W matrices, so this trap uses the second document\u2019s \u201cI love AI\u201d: ' +
             'with W_q reused for all three, \u201cI\u201d puts ' + pct(love.shared_weights[0][1]) + ' on \u201clove\u201d instead of ' +
-            pct(love.weights[0][1]) + ', and each word\u2019s largest weight is on itself.',
+            pct(love.weights[0][1]) + ', and each word\u2019s weight on itself (the diagonal) becomes ' +
+            love.shared_weights.map(function (r, i) { return num(r[i]); }).join(', ') + ' from ' +
+            love.weights.map(function (r, i) { return num(r[i]); }).join(', ') + '.',
       tables: function () { return [matrixTable('weights, W_q reused (wrong)', love.shared_weights, love.words, null, love.words, 'wrong'),
                                     matrixTable('weights, W_q W_k W_v (right)', love.weights, love.words, null, love.words, 'right')]; } },
     { key: 'itself', label: '6 itself',
