@@ -84,6 +84,15 @@ void BM_decode_bf16_arithmetic(benchmark::State& state) {
   attn::set_bfloat16_arithmetic(false);
 }
 
+/// BM_decode_stored with int8 keys and integer arithmetic (`attn::set_int8_arithmetic`: the
+/// scores by AVX512_VNNI's vpdpwssd where the CPU has it; the counter says whether it ran).
+void BM_decode_int8_arithmetic(benchmark::State& state) {
+  attn::set_int8_arithmetic(true);
+  state.counters["vpdpwssd"] = attn::int8_arithmetic() ? 1 : 0;
+  time_steps(state, filled_cache(state.range(0), attn::KVStorage::Int8));
+  attn::set_int8_arithmetic(false);
+}
+
 void BM_decode_naive(benchmark::State& state) {
   const Index tokens = state.range(0);
   const attn::KVCache<float> cache = filled_cache(tokens);
@@ -158,6 +167,7 @@ BENCHMARK(BM_decode_stored)
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 BENCHMARK(BM_decode_bf16_arithmetic)->Apply(cache_lengths);
+BENCHMARK(BM_decode_int8_arithmetic)->Apply(cache_lengths);
 BENCHMARK(BM_decode_naive)
     ->Arg(1024)
     ->Arg(16384)

@@ -495,6 +495,60 @@ TEST(KVStorageBFloat16Arithmetic, EachPathThisMachineSupports) {
   }
 }
 
+/// The int8 arithmetic path (`set_int8_arithmetic`, AVX512_VNNI's vpdpwssd) against long-double
+/// loops over what it computes with: the stored (int8, scaled) keys and values and each scaled
+/// query head rounded to 16 bits with its own scale. Says which paths ran on this machine.
+TEST(KVStorageInt8Arithmetic, EachPathThisMachineSupports) {
+  constexpr Index d = 128;
+  KVCacheConfig<float> config;
+  config.d_k = d;
+  config.d_v = d;
+  config.kv_heads = 2;
+  config.storage = KVStorage::Int8;
+  KVCache<float> cache(config);
+  std::mt19937 rng(32);
+  cache.append(attn_test::random_matrix<float>(301, 2 * d, rng),
+               attn_test::random_matrix<float>(301, 2 * d, rng));
+  const Matrix<float> Q = attn_test::random_matrix<float>(1, 8 * d, rng);  // 4 heads per group
+  attn::set_int8_arithmetic(false);
+  const Matrix<float> portable = cache.attend(Q);
+  attn::set_int8_arithmetic(true);
+  const bool dispatched = attn::int8_arithmetic();
+  const Matrix<float> chosen = cache.attend(Q);
+  // A query that is not finite keeps the float path, and so the NaN rule.
+  Matrix<float> Q_nan = Q;
+  Q_nan(0, 5) = std::numeric_limits<float>::quiet_NaN();
+  const Matrix<float> with_nan = cache.attend(Q_nan);
+  attn::set_int8_arithmetic(false);
+  std::printf("[ dispatch ] AVX512_VNNI %s: paths run: float%s\n",
+              attn::int8_arithmetic_available() ? "available" : "not available",
+              dispatched ? ", int8 keys by 16-bit integers (vpdpwssd)" : "");
+  RecordProperty("int8_path_ran", dispatched ? "yes" : "no");
+  EXPECT_EQ(dispatched, attn::int8_arithmetic_available());
+  EXPECT_TRUE(with_nan.leftCols(d).array().isNaN().all()) << "head 0 saw the NaN";
+  EXPECT_TRUE(with_nan.rightCols(7 * d).array().isFinite().all());
+  if (!dispatched) {
+    EXPECT_TRUE(attn_test::identical(chosen, portable))
+        << "without the instruction, the float path";
+    return;
+  }
+  EXPECT_FALSE(attn_test::identical(chosen, portable)) << "the int8 path did not run";
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  for (Index h = 0; h < 8; ++h) {
+    Matrix<float> q_rounded = scale * Q.middleCols(h * d, d);
+    const float q_scale = q_rounded.cwiseAbs().maxCoeff() / 32767.0f;
+    for (Index c = 0; c < d; ++c)
+      q_rounded(0, c) = std::nearbyint(q_rounded(0, c) / q_scale) * q_scale;
+    attn::AttentionOptions<float> options;
+    options.scale = 1.0f;
+    const auto want = attn_test::naive_attention<float>(q_rounded, cache.keys(h / 4),
+                                                        cache.values(h / 4), options);
+    EXPECT_TRUE(attn_test::near_t<float>(chosen.middleCols(h * d, d), want.output)) << "head " << h;
+  }
+  // The rounding of the queries moves the output far less than the int8 keys themselves do.
+  EXPECT_LT((chosen - portable).cwiseAbs().maxCoeff(), 1e-3f * portable.cwiseAbs().maxCoeff());
+}
+
 TEST(KVStorageCache, ViewsOfTRowsNeedSameStorage) {
   attn::KVStore<float> store(attn::KVStoreShape{4, 4, 1, std::nullopt, 0, KVStorage::Int8});
   store.append(Matrix<float>::Ones(2, 4), Matrix<float>::Ones(2, 4));

@@ -13,9 +13,10 @@
 /// each), so each set would need its own build of the kernels in its own namespace, which Eigen
 /// does not support.
 ///
-/// One exception is dispatched at run time: bfloat16 arithmetic (`set_bfloat16_arithmetic`), whose
-/// kernel is written in intrinsics only, with its instruction set named in a target attribute, so
-/// that every translation unit compiles the same code whatever its flags.
+/// Two exceptions are dispatched at run time: bfloat16 arithmetic (`set_bfloat16_arithmetic`) and
+/// integer arithmetic over int8 keys (`set_int8_arithmetic`), whose kernels are written in
+/// intrinsics only, with their instruction sets named in target attributes, so that every
+/// translation unit compiles the same code whatever its flags.
 ///
 /// `simd_compiled`, `simd_available` and `simd_advice()` have internal linkage (`static`): each
 /// translation unit gets its own copy, which reports the flags that unit was compiled with. As
@@ -171,6 +172,41 @@ inline void set_bfloat16_arithmetic(bool enabled) { detail::bfloat16_arithmetic_
 /// Whether the bfloat16 path runs: asked for (`set_bfloat16_arithmetic`) and available.
 inline bool bfloat16_arithmetic() {
   return detail::bfloat16_arithmetic_flag().load() && bfloat16_arithmetic_available();
+}
+
+/// Whether this CPU runs AVX512_VNNI's `vpdpwssd` on AVX512BW's 16-bit lanes (on x86 with GCC or
+/// Clang, from `__builtin_cpu_supports`; false elsewhere). Asked once.
+inline bool int8_arithmetic_available() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vnni");
+  }();
+  return yes;
+#else
+  return false;
+#endif
+}
+
+namespace detail {
+inline std::atomic<bool>& int8_arithmetic_flag() {
+  static std::atomic<bool> enabled{false};
+  return enabled;
+}
+}  // namespace detail
+
+/// Opt in (or out) of integer arithmetic for int8 keys, for the whole program (off by default).
+/// When on and `int8_arithmetic_available()`, a decoding step over keys kept in `KVStorage::Int8`
+/// (4 query heads per key/value head, d_k a multiple of 32 up to 8192, float) computes its
+/// scores with `vpdpwssd` (16-bit products summed in 32-bit integers): the scaled queries are
+/// rounded to 16 bits first (one scale per query head, max |q| / 32767), so the scores carry that
+/// rounding too (tests/kv_storage_test.cpp bounds it); elsewhere, or when off, the float path runs.
+inline void set_int8_arithmetic(bool enabled) { detail::int8_arithmetic_flag() = enabled; }
+
+/// Whether the int8 path runs: asked for (`set_int8_arithmetic`) and available.
+inline bool int8_arithmetic() {
+  return detail::int8_arithmetic_flag().load() && int8_arithmetic_available();
 }
 
 }  // namespace attn

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <utility>
 
@@ -33,6 +34,9 @@ struct DecodeScratch {
   Matrix<T> k_wide, v_wide;  ///< a stored tile widened to T (widths that are not whole packets)
   Matrix<Eigen::bfloat16> q_bf16;  ///< the scaled queries in bfloat16 (the bfloat16 score path)
   bool bf16_scores = false;        ///< this step's bfloat16 keys go through `vdpbf16ps`
+  Matrix<std::int16_t> q_i16;      ///< the scaled queries in 16 bits (the int8 score path) ...
+  Vector<T> q_i16_scale;           ///< ... and their scales, one per query head
+  bool i16_scores = false;         ///< this step's int8 keys go through `vpdpwssd`
 };
 
 template <class T>
@@ -115,6 +119,15 @@ __attribute__((target("avx512f"))) inline __m512 sum_lanes16(const __m512 (&a)[1
                        _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/// Stores a 4 x 4 block of scores (lane 4 h + k: head h, key k) as 4 floats in each of 4 rows.
+__attribute__((target("avx512f"))) inline void store_scores_4x4(__m512 sums, float* s,
+                                                                Index s_stride) {
+  _mm_storeu_ps(s, _mm512_extractf32x4_ps(sums, 0));
+  _mm_storeu_ps(s + s_stride, _mm512_extractf32x4_ps(sums, 1));
+  _mm_storeu_ps(s + 2 * s_stride, _mm512_extractf32x4_ps(sums, 2));
+  _mm_storeu_ps(s + 3 * s_stride, _mm512_extractf32x4_ps(sums, 3));
+}
+
 /// Scores of 4 query heads against keys [0, cols - cols % 4) stored in bfloat16, by `vdpbf16ps`
 /// (AVX512_BF16: 32 bfloat16 products per instruction, accumulated in float): the queries are
 /// given in bfloat16 too (`q` rows of d_k, rounded to nearest even), so each score carries the
@@ -142,10 +155,53 @@ __attribute__((target("avx512f,avx512bf16"))) inline Index decode_scores_bf16_4x
       }
     }
     const __m512 sums = sum_lanes16(acc);
-    _mm_storeu_ps(s + j, _mm512_extractf32x4_ps(sums, 0));
-    _mm_storeu_ps(s + s_stride + j, _mm512_extractf32x4_ps(sums, 1));
-    _mm_storeu_ps(s + 2 * s_stride + j, _mm512_extractf32x4_ps(sums, 2));
-    _mm_storeu_ps(s + 3 * s_stride + j, _mm512_extractf32x4_ps(sums, 3));
+    store_scores_4x4(sums, s + j, s_stride);
+  }
+  return j;
+}
+
+/// Scores of 4 query heads against keys [0, cols - cols % 4) stored in int8, by `vpdpwssd`
+/// (AVX512_VNNI on AVX512BW's 16-bit lanes: 32 products of 16-bit integers per instruction, summed
+/// in pairs into 16 32-bit lanes): each key row widened from 8 to 16 bits, the queries given in 16
+/// bits (`q` rows of d_k) with one scale per head (`q_scale`); the 16 lane sums of each (head, key)
+/// pair are turned to float and summed by `sum_lanes16`, then multiplied by the head's and the
+/// key's scales. A lane sums d_k / 16 products of at most 32767 x 127 in magnitude: exact in 32
+/// bits for d_k <= 8192. Compiled for its own target whatever the build's flags (intrinsics only),
+/// called only when `int8_arithmetic()`. Shape contract: d_k a multiple of 32, at most 8192.
+/// Returns the number of keys done.
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline Index decode_scores_i16_4x4(
+    const std::int16_t* q, Index q_stride, const float* q_scale, const std::int8_t* K_tile,
+    const float* k_scales, Index k_stride, Index cols, Index d_k, float* s, Index s_stride,
+    const std::int8_t* prefetch, Index prefetch_rows) {
+  // Lane 4 h + k of a block's sums belongs to head h: its scale.
+  const __m512 head_scales =
+      _mm512_set_ps(q_scale[3], q_scale[3], q_scale[3], q_scale[3], q_scale[2], q_scale[2],
+                    q_scale[2], q_scale[2], q_scale[1], q_scale[1], q_scale[1], q_scale[1],
+                    q_scale[0], q_scale[0], q_scale[0], q_scale[0]);
+  Index j = 0;
+  for (; j + 4 <= cols; j += 4) {
+    const std::int8_t* k = K_tile + j * k_stride;
+    for (Index r = j; r < std::min(j + 4, prefetch_rows); ++r) {
+      prefetch_row(prefetch + r * k_stride, d_k);  // the rows a tile ahead, 4 per 4 keys
+    }
+    __m512i acc[16];
+    for (__m512i& a : acc) a = _mm512_setzero_si512();
+    for (Index c = 0; c < d_k; c += 32) {
+      __m512i qh[4];
+      for (int h = 0; h < 4; ++h) qh[h] = _mm512_loadu_si512(q + h * q_stride + c);
+      for (int key = 0; key < 4; ++key) {
+        const __m512i kv = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + key * k_stride + c)));
+        for (int h = 0; h < 4; ++h) {
+          acc[4 * h + key] = _mm512_dpwssd_epi32(acc[4 * h + key], qh[h], kv);
+        }
+      }
+    }
+    __m512 sums_in[16];
+    for (int i = 0; i < 16; ++i) sums_in[i] = _mm512_cvtepi32_ps(acc[i]);
+    __m512 sums = _mm512_mul_ps(sum_lanes16(sums_in), head_scales);
+    sums = _mm512_mul_ps(sums, _mm512_broadcast_f32x4(_mm_loadu_ps(k_scales + j)));
+    store_scores_4x4(sums, s + j, s_stride);
   }
   return j;
 }
@@ -295,6 +351,17 @@ void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index col
                                     d_k, s, s_stride);
     }
   }
+  if constexpr (G == 4 && std::is_same_v<T, float> && std::is_same_v<KCodec, Int8Codec>) {
+    if (scratch.i16_scores) {
+      done = decode_scores_i16_4x4(scratch.q_i16.data() + h0 * scratch.q_i16.outerStride(),
+                                   scratch.q_i16.outerStride(), scratch.q_i16_scale.data() + h0,
+                                   K_tile, scales, K.outerStride(), cols, d_k, s, s_stride,
+                                   prefetch, prefetch_rows);
+      for (Index r = done; r < prefetch_rows; ++r) {
+        prefetch_row(prefetch + r * K.outerStride(), d_k);
+      }
+    }
+  }
 #endif
 #if defined(EIGEN_VECTORIZE_AVX512)
   // Stored (16- and 8-bit) keys only: measured on the project's machine (one thread, 1k tokens,
@@ -371,6 +438,28 @@ void decode_blocks(ConstRef<T> q, const KBlock& K, const VBlock& V, const ScoreR
       // cols % 4).
       scratch.q_bf16 = scratch.q_scaled.template cast<Eigen::bfloat16>();
       scratch.q_scaled = scratch.q_bf16.template cast<T>();
+    }
+  }
+  scratch.i16_scores = false;
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<codec_of_t<KBlock, T>, Int8Codec>) {
+    // (Queries that are not all finite take the float path, which keeps the NaN rule.)
+    scratch.i16_scores = K.cols() % 32 == 0 && K.cols() <= 8192 && g >= 4 && int8_arithmetic() &&
+                         scratch.q_scaled.allFinite();
+    if (scratch.i16_scores) {
+      // Each query head in 16 bits with its own scale; every key sees the rounded queries, also
+      // the few the float path does (a tile's last cols % 4).
+      scratch.q_i16.resize(g, K.cols());
+      scratch.q_i16_scale.resize(g);
+      for (Index h = 0; h < g; ++h) {
+        const T largest = scratch.q_scaled.row(h).cwiseAbs().maxCoeff();
+        const T scale = largest > T(0) ? largest / T(32767) : T(1);
+        scratch.q_i16_scale(h) = scale;
+        for (Index c = 0; c < K.cols(); ++c) {
+          const T rounded = std::nearbyint(scratch.q_scaled(h, c) / scale);
+          scratch.q_i16(h, c) = static_cast<std::int16_t>(rounded);
+          scratch.q_scaled(h, c) = rounded * scale;
+        }
+      }
     }
   }
   scratch.state.start(g, V.cols(), rule.sink);
