@@ -32,21 +32,14 @@
 #include <thread>
 #include <vector>
 
+#include "../examples/ring_sequence.hpp"
+
 namespace {
 
 using attn::Index;
 using Matrix = attn::Matrix<float>;
 
-/// Rows [first, first + count) of an N(0, 1) table whose row g depends on g and `salt` alone.
-Matrix sequence_rows(Index first, Index count, Index cols, std::uint64_t salt) {
-  Matrix rows(count, cols);
-  std::normal_distribution<float> normal(0.0F, 1.0F);
-  for (Index i = 0; i < count; ++i) {
-    std::mt19937_64 generator(static_cast<std::uint64_t>(first + i) * 0x9E3779B97F4A7C15ULL ^ salt);
-    for (Index j = 0; j < cols; ++j) rows(i, j) = normal(generator);
-  }
-  return rows;
-}
+using attn_examples::sequence_rows;
 
 /// A field of /proc/self/status in KiB ("VmRSS", "VmHWM"); 0 where there is none.
 long status_kib(const std::string& field) {
@@ -66,16 +59,6 @@ long start_peak() {
 
 /// MiB the resident set grew to since `start_peak` returned `base`.
 double peak_growth_mib(long base) { return static_cast<double>(status_kib("VmHWM") - base) / 1024; }
-
-/// The ranks on this rank's machine.
-int ranks_here() {
-  MPI_Comm machine = MPI_COMM_NULL;
-  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &machine);
-  int here = 1;
-  MPI_Comm_size(machine, &here);
-  MPI_Comm_free(&machine);
-  return here;
-}
 
 /// A barrier that sleeps while it waits: the ranks waiting for rank 0's one-process runs must not
 /// spin on the cores those runs use (MPI's own barrier polls).
@@ -131,7 +114,7 @@ int main(int argc, char** argv) {
   if (lengths.empty()) lengths = {16384, 65536};
   const Index d = 64;
   const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-  const int share = std::max(1, cores / ranks_here());
+  const int share = attn_examples::core_share();
 
   if (rank == 0) {
     std::printf(

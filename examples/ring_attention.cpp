@@ -27,33 +27,18 @@
 #include <thread>
 #include <vector>
 
+#include "ring_sequence.hpp"
+
 namespace {
 
 using attn::Index;
 using Matrix = attn::Matrix<float>;
 
-/// Rows [first, first + count) of a rows x cols table of N(0, 1) numbers in which row g depends on
-/// g and `salt` alone (its own generator, seeded from both).
-Matrix sequence_rows(Index first, Index count, Index cols, std::uint64_t salt) {
-  Matrix rows(count, cols);
-  std::normal_distribution<float> normal(0.0F, 1.0F);
-  for (Index i = 0; i < count; ++i) {
-    std::mt19937_64 generator(static_cast<std::uint64_t>(first + i) * 0x9E3779B97F4A7C15ULL ^ salt);
-    for (Index j = 0; j < cols; ++j) rows(i, j) = normal(generator);
-  }
-  return rows;
-}
+using attn_examples::sequence_rows;
 
 /// Without OMP_NUM_THREADS: this rank's share of its machine's cores.
 void share_the_cores() {
-  if (std::getenv("OMP_NUM_THREADS") != nullptr) return;
-  MPI_Comm machine = MPI_COMM_NULL;
-  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &machine);
-  int here = 1;
-  MPI_Comm_size(machine, &here);
-  MPI_Comm_free(&machine);
-  const int cores = static_cast<int>(std::thread::hardware_concurrency());
-  attn::set_num_threads(cores > here ? cores / here : 1);
+  if (std::getenv("OMP_NUM_THREADS") == nullptr) attn::set_num_threads(attn_examples::core_share());
 }
 
 struct Settings {

@@ -87,6 +87,30 @@ double tolerance() {
   return std::is_same_v<T, float> ? 1e-5 : 1e-12;
 }
 
+/// This rank's rows of a case: queries [q0, q0 + n) of N, keys [k0, k0 + m) of M, split by
+/// `uneven_split` (keys like the queries when N == M).
+struct RankRows {
+  Index q0, n, k0, m;
+};
+
+RankRows rank_rows(Index N, Index M, bool with_empty) {
+  const int rank = world_rank();
+  const std::vector<Index> query_counts = uneven_split(N, world_size(), with_empty);
+  const std::vector<Index> key_counts =
+      N == M ? query_counts : uneven_split(M, world_size(), false);
+  return {first_row(query_counts, rank), query_counts[static_cast<std::size_t>(rank)],
+          first_row(key_counts, rank), key_counts[static_cast<std::size_t>(rank)]};
+}
+
+/// The whole sequence's options as this rank passes them: its rows of the mask and bias.
+template <class T>
+attn::AttentionOptions<T> rank_options(const attn::AttentionOptions<T>& whole, Index q0, Index n) {
+  attn::AttentionOptions<T> options = whole;
+  if (whole.mask) options.mask = attn::Mask(whole.mask->middleRows(q0, n));
+  if (whole.bias) options.bias = Matrix<T>(whole.bias->middleRows(q0, n));
+  return options;
+}
+
 /// One case: N queries and M keys split unevenly, options on the whole sequence (`whole_options`
 /// may carry an N x M mask or bias: each rank passes its rows of it).
 template <class T>
@@ -99,17 +123,8 @@ void check_case(const std::string& name, Index N, Index M, Index d_k, Index d_v,
   const Matrix<T> K = random_matrix<T>(M, d_k, rng);
   const Matrix<T> V = random_matrix<T>(M, d_v, rng);
   const Matrix<T> reference = attn::scaled_dot_product_attention(Q, K, V, whole_options);
-  const int rank = world_rank();
-  const std::vector<Index> query_counts = uneven_split(N, world_size(), with_empty);
-  const std::vector<Index> key_counts =
-      N == M ? query_counts : uneven_split(M, world_size(), false);
-  const Index q0 = first_row(query_counts, rank);
-  const Index n = query_counts[static_cast<std::size_t>(rank)];
-  const Index k0 = first_row(key_counts, rank);
-  const Index m = key_counts[static_cast<std::size_t>(rank)];
-  attn::AttentionOptions<T> options = whole_options;
-  if (whole_options.mask) options.mask = attn::Mask(whole_options.mask->middleRows(q0, n));
-  if (whole_options.bias) options.bias = Matrix<T>(whole_options.bias->middleRows(q0, n));
+  const auto [q0, n, k0, m] = rank_rows(N, M, with_empty);
+  const attn::AttentionOptions<T> options = rank_options(whole_options, q0, n);
   attn::RingStats stats;
   const Matrix<T> out =
       attn::ring_attention(MPI_COMM_WORLD, Q.middleRows(q0, n), K.middleRows(k0, m),
@@ -310,17 +325,8 @@ void check_backward_case(const std::string& name, Index N, Index M, Index d_k, I
   const Matrix<T> V = random_matrix<T>(M, d_v, rng);
   const Matrix<T> dO = random_matrix<T>(N, d_v, rng);
   const attn::AttentionGrads<T> reference = attn::attention_backward(Q, K, V, dO, whole_options);
-  const int rank = world_rank();
-  const std::vector<Index> query_counts = uneven_split(N, world_size(), with_empty);
-  const std::vector<Index> key_counts =
-      N == M ? query_counts : uneven_split(M, world_size(), false);
-  const Index q0 = first_row(query_counts, rank);
-  const Index n = query_counts[static_cast<std::size_t>(rank)];
-  const Index k0 = first_row(key_counts, rank);
-  const Index m = key_counts[static_cast<std::size_t>(rank)];
-  attn::AttentionOptions<T> options = whole_options;
-  if (whole_options.mask) options.mask = attn::Mask(whole_options.mask->middleRows(q0, n));
-  if (whole_options.bias) options.bias = Matrix<T>(whole_options.bias->middleRows(q0, n));
+  const auto [q0, n, k0, m] = rank_rows(N, M, with_empty);
+  const attn::AttentionOptions<T> options = rank_options(whole_options, q0, n);
   const Matrix<T> Q_r = Q.middleRows(q0, n);
   const Matrix<T> K_r = K.middleRows(k0, m);
   const Matrix<T> V_r = V.middleRows(k0, m);

@@ -258,6 +258,56 @@ struct RingOperands {
   std::optional<Matrix<T>> bias;
 };
 
+/// The options of one (query chunk, key chunk) pair: the call's, without the sink (added once,
+/// after the merge, or carried by the lse in the backward) and without the tables (each pair gets
+/// its slices). `for_each_pair` sets the query offset and the slices.
+template <class T>
+AttentionOptions<T> pair_options_of(const AttentionOptions<T>& options) {
+  AttentionOptions<T> pair = options;
+  pair.sink.reset();
+  pair.mask.reset();
+  pair.bias.reset();
+  return pair;
+}
+
+/// The work a key block brings to this rank, in a fixed order: for each of the block's key ranges
+/// and each of this rank's query ranges that may see it (`pair_visible`; pairs counted in
+/// `stats`), the query rows `ring_query_rows` at a time, those that may see the keys. For each
+/// piece, `pair` gets the piece's query offset and its slices of the mask and bias rows, then
+/// `work(first, rows, key_local, key_first, key_count)` runs: query rows [first, first + rows) of
+/// this rank's layout against the block's rows [key_local, key_local + key_count), global key
+/// position key_first on.
+template <class T, class Work>
+void for_each_pair(const RowRanges& queries, const RowRanges& keys, Index shift,
+                   const AttentionOptions<T>& options, const RingOperands<T>& in,
+                   AttentionOptions<T>& pair, RingStats& stats, Work&& work) {
+  Index key_local = 0;
+  for (const auto& k : keys) {
+    const Index key_count = k.second - k.first;
+    Index query_local = 0;
+    for (const auto& q : queries) {
+      const Index query_count = q.second - q.first;
+      if (!pair_visible(options, shift, q, k)) {
+        ++stats.pairs_skipped;
+        query_local += query_count;
+        continue;
+      }
+      ++stats.pairs_computed;
+      for (Index c0 = 0; c0 < query_count; c0 += ring_query_rows) {
+        const Index rows = std::min(ring_query_rows, query_count - c0);
+        const Index first = query_local + c0;
+        if (!pair_visible(options, shift, {q.first + c0, q.first + c0 + rows}, k)) continue;
+        pair.query_offset = q.first + c0 + shift - k.first;
+        if (in.mask) pair.mask = Mask(in.mask->block(first, k.first, rows, key_count));
+        if (in.bias) pair.bias = Matrix<T>(in.bias->block(first, k.first, rows, key_count));
+        work(first, rows, key_local, k.first, key_count);
+      }
+      query_local += query_count;
+    }
+    key_local += key_count;
+  }
+}
+
 /// The ring itself, on operands already under their layouts. Returns per query head the output
 /// rows (this rank's rows under `query_layout`).
 template <class T>
@@ -300,10 +350,7 @@ void ring_core(MPI_Comm comm, int rank, int ranks, const RowLayout& query_layout
     return key_layout.rows(b) * in.heads_kv * (in.d_k + in.d_v);
   };
 
-  AttentionOptions<T> pair_options = options;
-  pair_options.sink.reset();  // added once, after the merge
-  pair_options.mask.reset();
-  pair_options.bias.reset();
+  AttentionOptions<T> pair_options = pair_options_of(options);  // the sink: after the merge
   std::vector<T> current = std::move(in.block);
   std::vector<T> next;
   Matrix<T> partial;
@@ -342,48 +389,27 @@ void ring_core(MPI_Comm comm, int rank, int ranks, const RowLayout& query_layout
     const Index block_rows = have ? key_layout.rows(b) : 0;
     const T* keys = current.data();
     const T* values = current.data() + in.heads_kv * block_rows * in.d_k;
-    Index key_local = 0;
     const RowRanges no_keys;
-    for (const auto& k : have ? key_layout.of_rank[static_cast<std::size_t>(b)] : no_keys) {
-      const Index key_count = k.second - k.first;
-      Index query_local = 0;
-      for (const auto& q : my_queries) {
-        const Index query_count = q.second - q.first;
-        if (!pair_visible(options, shift, q, k)) {
-          ++stats.pairs_skipped;
-          query_local += query_count;
-          continue;
-        }
-        ++stats.pairs_computed;
-        // The pair a few hundred query rows at a time, testing the messages in between.
-        for (Index c0 = 0; c0 < query_count; c0 += ring_query_rows) {
-          const Index rows = std::min(ring_query_rows, query_count - c0);
-          const Index first = query_local + c0;
-          if (!pair_visible(options, shift, {q.first + c0, q.first + c0 + rows}, k)) continue;
-          pair_options.query_offset = q.first + c0 + shift - k.first;
-          if (in.mask) pair_options.mask = Mask(in.mask->block(first, k.first, rows, key_count));
-          if (in.bias)
-            pair_options.bias = Matrix<T>(in.bias->block(first, k.first, rows, key_count));
-          for (Index h = 0; h < in.heads_q; ++h) {
-            const Index g = h / group;
-            const RowsMap<T> K_g(keys + g * block_rows * in.d_k, block_rows, in.d_k);
-            const RowsMap<T> V_g(values + g * block_rows * in.d_v, block_rows, in.d_v);
-            const auto h_index = static_cast<std::size_t>(h);
-            partial = flash_attention(
-                in.Q.heads[h_index].middleRows(first, rows), K_g.middleRows(key_local, key_count),
-                V_g.middleRows(key_local, key_count), pair_options, partial_lse);
-            for (Index i = 0; i < rows; ++i) {
-              T& row_lse = lse[h_index](first + i);
-              merge_partial<T>(out[h_index].row(first + i), row_lse, partial.row(i),
-                               partial_lse(i));
-            }
-            progress();
-          }
-        }
-        query_local += query_count;
-      }
-      key_local += key_count;
-    }
+    for_each_pair(my_queries, have ? key_layout.of_rank[static_cast<std::size_t>(b)] : no_keys,
+                  shift, options, in, pair_options, stats,
+                  [&](Index first, Index rows, Index key_local, Index, Index key_count) {
+                    for (Index h = 0; h < in.heads_q; ++h) {
+                      const Index g = h / group;
+                      const RowsMap<T> K_g(keys + g * block_rows * in.d_k, block_rows, in.d_k);
+                      const RowsMap<T> V_g(values + g * block_rows * in.d_v, block_rows, in.d_v);
+                      const auto h_index = static_cast<std::size_t>(h);
+                      partial = flash_attention(in.Q.heads[h_index].middleRows(first, rows),
+                                                K_g.middleRows(key_local, key_count),
+                                                V_g.middleRows(key_local, key_count), pair_options,
+                                                partial_lse);
+                      for (Index i = 0; i < rows; ++i) {
+                        T& row_lse = lse[h_index](first + i);
+                        merge_partial<T>(out[h_index].row(first + i), row_lse, partial.row(i),
+                                         partial_lse(i));
+                      }
+                      progress();
+                    }
+                  });
     stats.compute_seconds += MPI_Wtime() - compute_start;
     const double wait_start = MPI_Wtime();
     mpi_check(MPI_Waitall(2, requests, MPI_STATUSES_IGNORE), "MPI_Waitall");
@@ -702,10 +728,7 @@ RingGradients<T> ring_backward(MPI_Comm user_comm, const std::vector<RowsMap<T>>
   grads.dQ.assign(static_cast<std::size_t>(in.heads_q), Matrix<T>::Zero(my_rows, in.d_k));
   if (in.bias) grads.dbias = Matrix<T>::Zero(my_rows, plan.keys());
 
-  AttentionOptions<T> pair_options = options;
-  pair_options.sink.reset();  // the lse carries it; dsink is computed once, below
-  pair_options.mask.reset();
-  pair_options.bias.reset();
+  AttentionOptions<T> pair_options = pair_options_of(options);  // the sink: in lse and dsink
   std::vector<T> current = std::move(in.block);
   std::vector<T> next;
   std::vector<T> gathered;  // dK, dV of the block in hand, from the ranks before
@@ -748,53 +771,31 @@ RingGradients<T> ring_backward(MPI_Comm user_comm, const std::vector<RowsMap<T>>
     const T* values = current.data() + in.heads_kv * block_rows * in.d_k;
     T* dkeys = partial.data();
     T* dvalues = partial.data() + in.heads_kv * block_rows * in.d_k;
-    Index key_local = 0;
-    for (const auto& k : key_layout.of_rank[static_cast<std::size_t>(b)]) {
-      const Index key_count = k.second - k.first;
-      Index query_local = 0;
-      for (const auto& q : my_queries) {
-        const Index query_count = q.second - q.first;
-        if (!pair_visible(options, plan.shift(), q, k)) {
-          ++stats.pairs_skipped;
-          query_local += query_count;
-          continue;
-        }
-        ++stats.pairs_computed;
-        // The pair a few hundred query rows at a time, testing the messages in between.
-        for (Index c0 = 0; c0 < query_count; c0 += ring_query_rows) {
-          const Index rows = std::min(ring_query_rows, query_count - c0);
-          const Index first = query_local + c0;
-          if (!pair_visible(options, plan.shift(), {q.first + c0, q.first + c0 + rows}, k)) {
-            continue;
-          }
-          pair_options.query_offset = q.first + c0 + plan.shift() - k.first;
-          if (in.mask) pair_options.mask = Mask(in.mask->block(first, k.first, rows, key_count));
-          if (in.bias)
-            pair_options.bias = Matrix<T>(in.bias->block(first, k.first, rows, key_count));
-          for (Index h = 0; h < in.heads_q; ++h) {
-            const Index g = h / group;
-            const auto h_index = static_cast<std::size_t>(h);
-            const RowsMap<T> K_g(keys + g * block_rows * in.d_k, block_rows, in.d_k);
-            const RowsMap<T> V_g(values + g * block_rows * in.d_v, block_rows, in.d_v);
-            attention_backward(in.Q.heads[h_index].middleRows(first, rows),
-                               K_g.middleRows(key_local, key_count),
-                               V_g.middleRows(key_local, key_count),
-                               O_dealt.heads[h_index].middleRows(first, rows),
-                               lse_dealt[h_index].segment(first, rows),
-                               dO_dealt.heads[h_index].middleRows(first, rows), pair_options, pair);
-            grads.dQ[h_index].middleRows(first, rows) += pair.dQ;
-            Eigen::Map<Matrix<T>>(dkeys + g * block_rows * in.d_k, block_rows, in.d_k)
-                .middleRows(key_local, key_count) += pair.dK;
-            Eigen::Map<Matrix<T>>(dvalues + g * block_rows * in.d_v, block_rows, in.d_v)
-                .middleRows(key_local, key_count) += pair.dV;
-            if (in.bias) grads.dbias.block(first, k.first, rows, key_count) += pair.dbias;
-            progress();
-          }
-        }
-        query_local += query_count;
-      }
-      key_local += key_count;
-    }
+    for_each_pair(my_queries, key_layout.of_rank[static_cast<std::size_t>(b)], plan.shift(),
+                  options, in, pair_options, stats,
+                  [&](Index first, Index rows, Index key_local, Index key_first, Index key_count) {
+                    for (Index h = 0; h < in.heads_q; ++h) {
+                      const Index g = h / group;
+                      const auto h_index = static_cast<std::size_t>(h);
+                      const RowsMap<T> K_g(keys + g * block_rows * in.d_k, block_rows, in.d_k);
+                      const RowsMap<T> V_g(values + g * block_rows * in.d_v, block_rows, in.d_v);
+                      attention_backward(in.Q.heads[h_index].middleRows(first, rows),
+                                         K_g.middleRows(key_local, key_count),
+                                         V_g.middleRows(key_local, key_count),
+                                         O_dealt.heads[h_index].middleRows(first, rows),
+                                         lse_dealt[h_index].segment(first, rows),
+                                         dO_dealt.heads[h_index].middleRows(first, rows),
+                                         pair_options, pair);
+                      grads.dQ[h_index].middleRows(first, rows) += pair.dQ;
+                      Eigen::Map<Matrix<T>>(dkeys + g * block_rows * in.d_k, block_rows, in.d_k)
+                          .middleRows(key_local, key_count) += pair.dK;
+                      Eigen::Map<Matrix<T>>(dvalues + g * block_rows * in.d_v, block_rows, in.d_v)
+                          .middleRows(key_local, key_count) += pair.dV;
+                      if (in.bias)
+                        grads.dbias.block(first, key_first, rows, key_count) += pair.dbias;
+                      progress();
+                    }
+                  });
     stats.compute_seconds += MPI_Wtime() - compute_start;
     const double wait_start = MPI_Wtime();
     mpi_check(MPI_Wait(&requests[2], MPI_STATUS_IGNORE), "MPI_Wait");
