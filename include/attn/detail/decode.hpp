@@ -45,11 +45,35 @@ using DecodePacket = typename Eigen::internal::packet_traits<T>::type;
 template <class T>
 constexpr Index decode_lanes = Eigen::internal::unpacket_traits<DecodePacket<T>>::size;
 
-/// Asks for the cache lines of one row of `width` elements ahead of its use.
+/// Asks for the cache lines of one row of `width` elements ahead of its use, into the second-level
+/// cache (`prefetcht1`): a tile of keys fetched into the first level a tile ahead evicts the tile
+/// being read. Measured on the project's machine (one thread, 16k tokens, 32 over 8 heads,
+/// d = 128): 1.25-1.3x the bandwidth of the same step prefetching into the first level.
 template <class E>
 EIGEN_STRONG_INLINE void prefetch_row(const E* row, Index width) {
   constexpr Index line = 64 / Index(sizeof(E));
-  for (Index c = 0; c < width; c += line) Eigen::internal::prefetch(row + c);
+  for (Index c = 0; c < width; c += line) {
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(row + c, 0, 2);
+#else
+    Eigen::internal::prefetch(row + c);
+#endif
+  }
+}
+
+/// Keeps a packet that several multiply-adds share in a register. Without it GCC 12 folds the
+/// packet's load into each multiply-add as a memory operand, loading it again for each, which
+/// made the decoding loops bound by loads rather than by multiply-adds (measured on the project's
+/// machine: 4 keys x 4 heads of scores at d = 128, 20 -> 10 ns per key in the first-level cache).
+/// An empty asm statement that claims to change the register; nothing where it is not x86 SIMD.
+template <class Packet>
+EIGEN_STRONG_INLINE void keep_in_register(Packet& p) {
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && \
+    defined(__SSE2__)
+  if constexpr (sizeof(Packet) >= 16) asm("" : "+v"(p));
+#else
+  (void)p;
+#endif
 }
 
 /// Scores of heads [h0, h0 + G) against keys [0, cols) of a tile: s(h, j) = q_h . K_j.
@@ -74,7 +98,8 @@ EIGEN_STRONG_INLINE void decode_scores(std::index_sequence<h...>, const T* q, In
     Packet acc[G];
     ((acc[h] = pset1<Packet>(T(0))), ...);
     for (Index c = 0; c < d_k; c += lanes) {
-      const Packet k = load_stored<T, Codec>(k_j + c);
+      Packet k = load_stored<T, Codec>(k_j + c);
+      keep_in_register(k);
       ((acc[h] = pmadd(ploadu<Packet>(q + Index(h) * q_stride + c), k, acc[h])), ...);
     }
     if constexpr (has_row_scales<Codec>) {
@@ -231,12 +256,17 @@ EIGEN_STRONG_INLINE Index decode_scores_4x4(const float* q, Index q_stride,
     __m512 acc[16];
     for (__m512& a : acc) a = _mm512_setzero_ps();
     for (Index c = 0; c < d_k; c += 16) {
-      const __m512 q0 = _mm512_loadu_ps(q + c);
-      const __m512 q1 = _mm512_loadu_ps(q + q_stride + c);
-      const __m512 q2 = _mm512_loadu_ps(q + 2 * q_stride + c);
-      const __m512 q3 = _mm512_loadu_ps(q + 3 * q_stride + c);
+      __m512 q0 = _mm512_loadu_ps(q + c);
+      __m512 q1 = _mm512_loadu_ps(q + q_stride + c);
+      __m512 q2 = _mm512_loadu_ps(q + 2 * q_stride + c);
+      __m512 q3 = _mm512_loadu_ps(q + 3 * q_stride + c);
+      keep_in_register(q0);
+      keep_in_register(q1);
+      keep_in_register(q2);
+      keep_in_register(q3);
       for (int key = 0; key < 4; ++key) {
-        const __m512 kv = load_stored<float, Codec>(k + key * k_stride + c);
+        __m512 kv = load_stored<float, Codec>(k + key * k_stride + c);
+        keep_in_register(kv);
         acc[key] = _mm512_fmadd_ps(q0, kv, acc[key]);
         acc[4 + key] = _mm512_fmadd_ps(q1, kv, acc[4 + key]);
         acc[8 + key] = _mm512_fmadd_ps(q2, kv, acc[8 + key]);
@@ -284,7 +314,8 @@ EIGEN_STRONG_INLINE void decode_values(std::index_sequence<h...>, const T* p, In
     const typename Codec::Bits* v_j = V_tile + j * v_stride;
     if (j < prefetch_rows) prefetch_row(prefetch + j * v_stride, d_v);
     for (Index c = 0; c < C; ++c) {
-      const Packet v = load_stored<T, Codec>(v_j + c * lanes);
+      Packet v = load_stored<T, Codec>(v_j + c * lanes);
+      keep_in_register(v);
       ((acc[h][c] = pmadd(pset1<Packet>(p[Index(h) * p_stride + j]), v, acc[h][c])), ...);
     }
   }
