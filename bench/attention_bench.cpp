@@ -152,6 +152,18 @@ void BM_Flash(benchmark::State& state) {
       state, [&] { attn::flash_attention(c.Q, c.K, c.V, c.options, c.O); }, c.O.data(), c.flops());
 }
 
+/// `BM_Flash<float>` (n = 2048, one head) with the given tile sizes, to compare them in one run:
+///   build/bench/attn_bench --benchmark_filter=BM_FlashTiles --benchmark_repetitions=3
+/// Arguments (n, d, causal, query rows, key columns): 72 x 128 (the defaults until 2026-12) and the
+/// defaults now, 36 x 512, each beside the other two combinations.
+void BM_FlashTiles(benchmark::State& state) {
+  Single<float> c(state, false);
+  const attn::FlashTiles tiles{state.range(3), state.range(4)};
+  time_calls(
+      state, [&] { attn::flash_attention(c.Q, c.K, c.V, c.options, c.O, tiles); }, c.O.data(),
+      c.flops());
+}
+
 /// `BM_Flash<float>` with the keys and values in bfloat16 (`Eigen::bfloat16` matrices, what a
 /// prefill over a `KVStorage::BFloat16` cache reads): widened when the keys are packed and tile by
 /// tile for the values, then the float kernel's arithmetic.
@@ -223,6 +235,10 @@ BENCHMARK(BM_Flash<float>)
 BENCHMARK(BM_Flash<float>)
     ->ArgsProduct({{2048, 4096}, {64}, {1}, {256}})
     ->ArgNames({"n", "d", "causal", "window"})
+    ->UseRealTime();
+BENCHMARK(BM_FlashTiles)
+    ->ArgsProduct({{2048}, {64, 128}, {0, 1}, {72, 36}, {128, 512}})
+    ->ArgNames({"n", "d", "causal", "rows", "cols"})
     ->UseRealTime();
 BENCHMARK(BM_FlashBFloat16Keys)
     ->ArgsProduct({{512, 2048}, {64, 128}, {0, 1}, {0}})

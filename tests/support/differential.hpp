@@ -2009,7 +2009,8 @@ SingleCase<T> shrink(SingleCase<T> c, const std::string& path, int budget = 4000
         attempt(s);
         s = c;
       }
-      if (s.tiles.query_rows != 64 || s.tiles.key_cols != 256) {
+      if (s.tiles.query_rows != attn::FlashTiles{}.query_rows ||
+          s.tiles.key_cols != attn::FlashTiles{}.key_cols) {
         s.tiles = attn::FlashTiles{};
         attempt(s);
       }
