@@ -242,6 +242,77 @@ TEST(FastExp, WithinOneUlpOfStdExpAndExactUnderflow) {
   }
 }
 
+// The pass for rows known to stay in the normal range (`normal`: no checks below it) gives the
+// same bits as the checked pass, so within 1 ulp of std::exp, on every 61st float of
+// [ln(FLT_MIN), 0], and keeps a NaN.
+TEST(FastExp, NormalRangePassGivesTheSameBits) {
+  std::vector<float> x;
+  const float lowest = attn::detail::ExpConstants::normal_floor;
+  std::uint32_t end_bits = 0;
+  std::memcpy(&end_bits, &lowest, sizeof lowest);
+  for (std::uint32_t bits = 0x80000000u; bits <= end_bits; bits += 61) {
+    float value = 0.0f;
+    std::memcpy(&value, &bits, sizeof value);
+    x.push_back(value);
+  }
+  x.push_back(std::numeric_limits<float>::quiet_NaN());
+  for (const Index offset : {0, 5}) {
+    std::vector<float> checked(x.size() + 5, 0.0f);
+    std::copy(x.begin(), x.end(), checked.begin() + offset);
+    std::vector<float> normal = checked;
+    const auto size = static_cast<Index>(x.size());
+    const float sum_checked =
+        attn::detail::exp_shifted_sum<float>(checked.data() + offset, size, 0.0f, false);
+    const float sum_normal =
+        attn::detail::exp_shifted_sum<float>(normal.data() + offset, size, 0.0f, true);
+    EXPECT_EQ(std::memcmp(checked.data(), normal.data(), checked.size() * sizeof(float)), 0);
+    EXPECT_TRUE(std::isnan(sum_checked));
+    EXPECT_TRUE(std::isnan(sum_normal));
+    int worst = 0;
+    for (std::size_t i = 0; i + 1 < x.size(); ++i) {
+      worst = std::max(worst, ulp_distance(std::exp(x[i]), normal[i + std::size_t(offset)]));
+    }
+    EXPECT_LE(worst, 1);
+  }
+}
+
+// One online-softmax step takes the pass without checks only for rows that need none: a row with
+// masked (-inf) or far-below entries gets exactly 0 for them (not the NaN of an unchecked exp of
+// -inf, which the tiled kernel's repair of non-finite rows would hide), and each row's weights
+// and sum are those of std::exp within 1 ulp, whichever pass it took.
+TEST(OnlineSoftmax, StepGivesExactZerosAndAgreesWithStdExp) {
+  constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> uniform(-20.0f, 4.0f);
+  for (const Index size : {1, 16, 37, 512}) {
+    for (const float odd : {0.0f, neg_inf, -200.0f, -95.0f}) {  // 0: every entry in range
+      attn::RowVector<float> row(size);
+      for (Index j = 0; j < size; ++j) row(j) = uniform(rng);
+      if (odd != 0.0f) row(size / 2) = odd;
+      const attn::RowVector<float> logits = row;
+      float m = 1.0f;  // a running max from an earlier tile, below this row's
+      float l = 2.0f;
+      const float alpha = attn::detail::online_softmax_step<float>(row, m, l);
+      float m_new = 1.0f;
+      for (Index j = 0; j < size; ++j) m_new = std::max(m_new, logits(j));
+      EXPECT_EQ(m, m_new);
+      EXPECT_EQ(alpha, std::exp(1.0f - m_new));
+      double sum = 0;
+      for (Index j = 0; j < size; ++j) {
+        const float want = std::exp(logits(j) - m_new);
+        if (want < std::numeric_limits<float>::min()) {
+          EXPECT_EQ(row(j), want) << size << " " << odd << " " << j;  // 0 or std::exp's subnormal
+        } else {
+          EXPECT_LE(ulp_distance(want, row(j)), 1) << size << " " << odd << " " << j;
+        }
+        sum += static_cast<double>(row(j));
+      }
+      EXPECT_NEAR(static_cast<double>(l), static_cast<double>(alpha) * 2.0 + sum,
+                  1e-5 * static_cast<double>(l));
+    }
+  }
+}
+
 // The sum the exp pass returns is the sum of the entries it wrote, and a row with a NaN keeps it.
 TEST(FastExp, ReturnsTheSumOfItsEntries) {
   std::mt19937 rng(5);

@@ -32,16 +32,21 @@ T nan_max(T a, T b) {
 /// else, because the NaN still reaches the row's sum and output through `exp` (Eigen's vectorised
 /// exp and `std::exp` both return NaN for NaN), but not when the rest is -inf: the row would be
 /// taken for one that sees nothing. The NaN-propagating maximum costs 4% of the tiled kernel, so
-/// it is asked for only then.
+/// it is asked for only then. With `min`, also the row's minimum in the same pass for float rows
+/// vectorised (a NaN may be skipped; +inf for an empty row), -inf for other rows.
 template <class T>
-T tile_max(const Eigen::Ref<const RowVector<T>>& row) {
+T tile_max(const Eigen::Ref<const RowVector<T>>& row, T* min = nullptr) {
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
-  if (row.size() == 0) return neg_inf;
+  if (row.size() == 0) {
+    if (min) *min = -neg_inf;
+    return neg_inf;
+  }
   T max;
   if constexpr (FastExp<T>::vectorised) {
-    max = packet_max<T>(row.data(), row.size());
+    max = packet_max<T>(row.data(), row.size(), min);
   } else {
     max = row.maxCoeff();
+    if (min) *min = neg_inf;  // not computed: no row is taken for one that needs no checks
   }
   if (max == neg_inf && row.hasNaN()) return std::numeric_limits<T>::quiet_NaN();
   return max;
@@ -56,7 +61,7 @@ constexpr T exp_normal_floor() {
 
 /// `row -> exp(row - max)` in place for a finite `max`, with exactly what `std::exp` gives where it
 /// matters: 0 for -inf (masked) scores and for arguments that underflow. Float rows take the
-/// library's vectorised exp (`detail/fast_exp.hpp`, within 2 ulp, exact underflow). Eigen's exp
+/// library's vectorised exp (`detail/fast_exp.hpp`, within 1 ulp, exact underflow). Eigen's exp
 /// clamps its argument, returning a tiny denormal there instead, so it is used only when every
 /// shifted score is above `exp_normal_floor` (one vectorised min tells); other rows take `std::exp`
 /// per entry (so does a NaN or +inf `max`: its row stays NaN). Leading and trailing -inf runs (causal

@@ -31,16 +31,20 @@ namespace detail {
 /// \returns alpha = exp(m - m'), by which the caller rescales the row's running output.
 template <class T>
 T online_softmax_step(Eigen::Ref<RowVector<T>> s, T& m, T& l) {
-  const T m_new = nan_max(m, tile_max<T>(s));
+  T min = T(0);
+  const T m_new = nan_max(m, tile_max<T>(s, FastExp<T>::vectorised ? &min : nullptr));
   if (m_new == -std::numeric_limits<T>::infinity()) {
     s.setZero();
     return T(1);
   }
   const T alpha = std::exp(m - m_new);
-  // Float rows in one vectorised pass (a masked entry's exp is exactly 0); others skip their
-  // leading and trailing -inf runs first, then take Eigen's exp.
+  // Float rows in one vectorised pass (a masked entry's exp is exactly 0), without the checks
+  // below the normal range when the row's smallest entry needs none (s_j - m' >= min - m', as
+  // rounding is monotonic); others skip their leading and trailing -inf runs first, then take
+  // Eigen's exp.
   if constexpr (FastExp<T>::vectorised) {
-    l = alpha * l + exp_shifted_sum<T>(s.data(), s.size(), m_new);
+    const bool normal = min - m_new >= ExpConstants::normal_floor;
+    l = alpha * l + exp_shifted_sum<T>(s.data(), s.size(), m_new, normal);
   } else {
     l = alpha * l + exp_shifted_inplace<T>(s, m_new);
   }
