@@ -204,13 +204,9 @@ int ulp_distance(float a, float b) {
   return std::abs(ia - ib);
 }
 
-// The vectorised exp of the float rows (detail/fast_exp.hpp) against std::exp on every 61st float
-// of [-104, 0] (18 million arguments; every float was checked once, with the same result): within
-// 1 ulp where exp is a normal float, bit for bit below (subnormal results and the exact underflow
-// to 0), 0 for -inf, NaN for NaN. The row is run at an offset, so that the packets start anywhere.
-TEST(FastExp, WithinOneUlpOfStdExpAndExactUnderflow) {
+// Every 61st float from -0 down to `lowest` (< 0), in order: the floats' bit patterns step by 61.
+std::vector<float> every_61st_float_down_to(float lowest) {
   std::vector<float> x;
-  const float lowest = -104.0f;
   std::uint32_t end_bits = 0;
   std::memcpy(&end_bits, &lowest, sizeof lowest);
   for (std::uint32_t bits = 0x80000000u; bits <= end_bits; bits += 61) {
@@ -218,6 +214,15 @@ TEST(FastExp, WithinOneUlpOfStdExpAndExactUnderflow) {
     std::memcpy(&value, &bits, sizeof value);
     x.push_back(value);
   }
+  return x;
+}
+
+// The vectorised exp of the float rows (detail/fast_exp.hpp) against std::exp on every 61st float
+// of [-104, 0] (18 million arguments; every float was checked once, with the same result): within
+// 1 ulp where exp is a normal float, bit for bit below (subnormal results and the exact underflow
+// to 0), 0 for -inf, NaN for NaN. The row is run at an offset, so that the packets start anywhere.
+TEST(FastExp, WithinOneUlpOfStdExpAndExactUnderflow) {
+  std::vector<float> x = every_61st_float_down_to(-104.0f);
   x.push_back(-std::numeric_limits<float>::infinity());
   x.push_back(std::numeric_limits<float>::quiet_NaN());
   for (const Index offset : {0, 3}) {
@@ -246,15 +251,7 @@ TEST(FastExp, WithinOneUlpOfStdExpAndExactUnderflow) {
 // same bits as the checked pass, so within 1 ulp of std::exp, on every 61st float of
 // [ln(FLT_MIN), 0], and keeps a NaN.
 TEST(FastExp, NormalRangePassGivesTheSameBits) {
-  std::vector<float> x;
-  const float lowest = attn::detail::ExpConstants::normal_floor;
-  std::uint32_t end_bits = 0;
-  std::memcpy(&end_bits, &lowest, sizeof lowest);
-  for (std::uint32_t bits = 0x80000000u; bits <= end_bits; bits += 61) {
-    float value = 0.0f;
-    std::memcpy(&value, &bits, sizeof value);
-    x.push_back(value);
-  }
+  std::vector<float> x = every_61st_float_down_to(attn::detail::ExpConstants::normal_floor);
   x.push_back(std::numeric_limits<float>::quiet_NaN());
   for (const Index offset : {0, 5}) {
     std::vector<float> checked(x.size() + 5, 0.0f);
