@@ -277,10 +277,7 @@ EIGEN_STRONG_INLINE Index decode_scores_4x4(const float* q, Index q_stride,
     if constexpr (has_row_scales<Codec>) {
       sums = _mm512_mul_ps(sums, _mm512_broadcast_f32x4(_mm_loadu_ps(k_scales + j)));
     }
-    _mm_storeu_ps(s + j, _mm512_extractf32x4_ps(sums, 0));
-    _mm_storeu_ps(s + s_stride + j, _mm512_extractf32x4_ps(sums, 1));
-    _mm_storeu_ps(s + 2 * s_stride + j, _mm512_extractf32x4_ps(sums, 2));
-    _mm_storeu_ps(s + 3 * s_stride + j, _mm512_extractf32x4_ps(sums, 3));
+    store_scores_4x4(sums, s + j, s_stride);
   }
   return j;
 }
