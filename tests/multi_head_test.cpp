@@ -608,25 +608,38 @@ TYPED_TEST(MultiHeadLayer, GroupedQueryLayerEqualsMultiHeadWithRepeatedKeyValueH
 /// A batch item whose keys are all padding attends nothing: zero weights and a zero attention
 /// output (so the layer's output is the output bias), never NaN (PyTorch 1.13 gives NaN here).
 /// The other item is unaffected.
+/// A tensor's entries as a matrix of its last dimension's width (0 x 0 when empty): for comparing
+/// results bit for bit.
+template <class T, class Tensor>
+attn::Matrix<T> as_rows(const Tensor& t) {
+  const Index width = t.size() == 0 ? 0 : t.dimension(t.NumDimensions - 1);
+  return attn::Matrix<T>(
+      Eigen::Map<const attn::Matrix<T>>(t.data(), width == 0 ? 0 : t.size() / width, width));
+}
+
+/// A layer of E = 16 and 4 heads with random weights; with `extra_rows`, PyTorch's add_bias_kv and
+/// add_zero_attn on.
+template <class T>
+MultiHeadAttention<T> random_layer(bool extra_rows, Index kv_heads, unsigned seed,
+                                   std::mt19937& rng) {
+  MultiHeadConfig config{16, 4};
+  config.add_bias_kv = extra_rows;
+  config.add_zero_attn = extra_rows;
+  config.num_kv_heads = kv_heads;
+  MultiHeadAttention<T> layer(config, seed);
+  randomise(layer, rng);
+  return layer;
+}
+
 /// The hot-path overload with a reused workspace and result gives the same bits as the allocating
 /// one, call after call, across shapes, options and PyTorch's extra key rows; a repeated shape
 /// reuses the storage.
 TYPED_TEST(MultiHeadLayer, WorkspaceOverloadEqualsAllocatingOverload) {
   using T = TypeParam;
   std::mt19937 rng(12);
-  MultiHeadConfig plain_config{16, 4};
-  MultiHeadConfig extra_config{16, 4};
-  extra_config.add_bias_kv = true;
-  extra_config.add_zero_attn = true;
-  MultiHeadAttention<T> plain(plain_config, 21);
-  MultiHeadAttention<T> extra(extra_config, 22);
-  randomise(plain, rng);
-  randomise(extra, rng);
-  const auto to_matrix = [](const auto& t) {
-    return attn::Matrix<T>(Eigen::Map<const attn::Matrix<T>>(
-        t.data(), t.size() == 0 ? 0 : t.size() / t.dimension(t.NumDimensions - 1),
-        t.size() == 0 ? 0 : t.dimension(t.NumDimensions - 1)));
-  };
+  const MultiHeadAttention<T> plain = random_layer<T>(false, 0, 21, rng);
+  const MultiHeadAttention<T> extra = random_layer<T>(true, 0, 22, rng);
+  const auto to_matrix = [](const auto& t) { return as_rows<T>(t); };
   attn::MultiHeadWorkspace<T> workspace;
   MultiHeadResult<T> result;
   for (int call = 0; call < 6; ++call) {
@@ -660,6 +673,59 @@ TYPED_TEST(MultiHeadLayer, WorkspaceOverloadEqualsAllocatingOverload) {
     EXPECT_EQ(result.output.data(), output);
     EXPECT_EQ(workspace.Q.data(), projected);
     EXPECT_TRUE(attn_test::identical(to_matrix(result.output), to_matrix(expected.output)));
+  }
+}
+
+/// The returning overloads work in this thread's kept workspace (`detail::thread_workspace`): call
+/// after call, across shapes, options and PyTorch's extra key rows, each gives the bits of the hot
+/// path run in a fresh workspace (so nothing left from an earlier call leaks in), and a repeated
+/// shape reuses the kept storage (so the returning call allocates only its result). The
+/// returning backward likewise equals the hot-path backward in a fresh workspace.
+TYPED_TEST(MultiHeadLayer, ReturningOverloadsReuseThisThreadsWorkspace) {
+  using T = TypeParam;
+  std::mt19937 rng(13);
+  const MultiHeadAttention<T> plain = random_layer<T>(false, 0, 31, rng);
+  const MultiHeadAttention<T> extra = random_layer<T>(true, 2, 32, rng);
+  const auto flat = [](const auto& t) { return as_rows<T>(t); };
+  const attn::MultiHeadWorkspace<T>& kept = attn::detail::thread_workspace<T>();
+  for (int call = 0; call < 6; ++call) {
+    SCOPED_TRACE(::testing::Message() << "call " << call);
+    const MultiHeadAttention<T>& layer = call % 2 == 1 ? extra : plain;
+    const Index batch = call < 2 ? 3 : call < 4 ? 1 : 2;
+    const Index n = call < 2 ? 9 : call < 4 ? 4 : 6;
+    const Tensor3<T> x = random_tensor<T>(batch, n, 16, rng);
+    MultiHeadOptions<T> options;
+    options.need_weights = call % 3 != 0;
+    options.average_weights = call % 3 == 1;
+    if (call % 2 == 0) options.causal = attn::Causal::TopLeft;
+
+    const MultiHeadResult<T> returned = layer.forward(x, x, x, options);
+    attn::MultiHeadWorkspace<T> fresh;
+    MultiHeadResult<T> expected;
+    layer.forward(x, x, x, options, fresh, expected);
+    EXPECT_TRUE(attn_test::identical(flat(returned.output), flat(expected.output)));
+    EXPECT_TRUE(attn_test::identical(flat(returned.weights), flat(expected.weights)));
+    EXPECT_TRUE(attn_test::identical(flat(returned.head_weights), flat(expected.head_weights)));
+    EXPECT_EQ(returned.weights.size(), expected.weights.size());
+    EXPECT_EQ(returned.head_weights.size(), expected.head_weights.size());
+
+    // The same call again: the kept workspace is neither empty nor reallocated.
+    const T* projected = kept.Q.data();
+    ASSERT_NE(projected, nullptr);
+    EXPECT_EQ(kept.Q.rows(), batch * n);
+    const MultiHeadResult<T> again = layer.forward(x, x, x, options);
+    EXPECT_EQ(kept.Q.data(), projected);
+    EXPECT_TRUE(attn_test::identical(flat(again.output), flat(expected.output)));
+
+    const Tensor3<T> d_output = random_tensor<T>(batch, n, 16, rng);
+    const attn::MultiHeadGrads<T> grads = layer.backward(x, x, x, d_output, options);
+    attn::MultiHeadWorkspace<T> fresh_backward;
+    attn::MultiHeadGrads<T> expected_grads;
+    layer.backward(x, x, x, d_output, options, fresh_backward, expected_grads);
+    EXPECT_TRUE(attn_test::identical(flat(grads.d_query), flat(expected_grads.d_query)));
+    EXPECT_TRUE(attn_test::identical(grads.dW_Q, expected_grads.dW_Q));
+    EXPECT_TRUE(attn_test::identical(grads.dW_K, expected_grads.dW_K));
+    EXPECT_TRUE(attn_test::identical(grads.dW_O, expected_grads.dW_O));
   }
 }
 
