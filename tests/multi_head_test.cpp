@@ -605,9 +605,6 @@ TYPED_TEST(MultiHeadLayer, GroupedQueryLayerEqualsMultiHeadWithRepeatedKeyValueH
   expect_near4(actual.head_weights, expected.head_weights, "per-head weights");
 }
 
-/// A batch item whose keys are all padding attends nothing: zero weights and a zero attention
-/// output (so the layer's output is the output bias), never NaN (PyTorch 1.13 gives NaN here).
-/// The other item is unaffected.
 /// A tensor's entries as a matrix of its last dimension's width (0 x 0 when empty): for comparing
 /// results bit for bit.
 template <class T, class Tensor>
@@ -639,7 +636,6 @@ TYPED_TEST(MultiHeadLayer, WorkspaceOverloadEqualsAllocatingOverload) {
   std::mt19937 rng(12);
   const MultiHeadAttention<T> plain = random_layer<T>(false, 0, 21, rng);
   const MultiHeadAttention<T> extra = random_layer<T>(true, 0, 22, rng);
-  const auto to_matrix = [](const auto& t) { return as_rows<T>(t); };
   attn::MultiHeadWorkspace<T> workspace;
   MultiHeadResult<T> result;
   for (int call = 0; call < 6; ++call) {
@@ -659,10 +655,10 @@ TYPED_TEST(MultiHeadLayer, WorkspaceOverloadEqualsAllocatingOverload) {
     }
     layer.forward(x, x, x, options, workspace, result);
     const MultiHeadResult<T> expected = layer.forward(x, x, x, options);
-    EXPECT_TRUE(attn_test::identical(to_matrix(result.output), to_matrix(expected.output)));
-    EXPECT_TRUE(attn_test::identical(to_matrix(result.weights), to_matrix(expected.weights)));
+    EXPECT_TRUE(attn_test::identical(as_rows<T>(result.output), as_rows<T>(expected.output)));
+    EXPECT_TRUE(attn_test::identical(as_rows<T>(result.weights), as_rows<T>(expected.weights)));
     EXPECT_TRUE(
-        attn_test::identical(to_matrix(result.head_weights), to_matrix(expected.head_weights)));
+        attn_test::identical(as_rows<T>(result.head_weights), as_rows<T>(expected.head_weights)));
     EXPECT_EQ(result.weights.size(), expected.weights.size());
     EXPECT_EQ(result.head_weights.size(), expected.head_weights.size());
 
@@ -672,7 +668,7 @@ TYPED_TEST(MultiHeadLayer, WorkspaceOverloadEqualsAllocatingOverload) {
     layer.forward(x, x, x, options, workspace, result);
     EXPECT_EQ(result.output.data(), output);
     EXPECT_EQ(workspace.Q.data(), projected);
-    EXPECT_TRUE(attn_test::identical(to_matrix(result.output), to_matrix(expected.output)));
+    EXPECT_TRUE(attn_test::identical(as_rows<T>(result.output), as_rows<T>(expected.output)));
   }
 }
 
@@ -686,7 +682,6 @@ TYPED_TEST(MultiHeadLayer, ReturningOverloadsReuseThisThreadsWorkspace) {
   std::mt19937 rng(13);
   const MultiHeadAttention<T> plain = random_layer<T>(false, 0, 31, rng);
   const MultiHeadAttention<T> extra = random_layer<T>(true, 2, 32, rng);
-  const auto flat = [](const auto& t) { return as_rows<T>(t); };
   const attn::MultiHeadWorkspace<T>& kept = attn::detail::thread_workspace<T>();
   for (int call = 0; call < 6; ++call) {
     SCOPED_TRACE(::testing::Message() << "call " << call);
@@ -703,9 +698,10 @@ TYPED_TEST(MultiHeadLayer, ReturningOverloadsReuseThisThreadsWorkspace) {
     attn::MultiHeadWorkspace<T> fresh;
     MultiHeadResult<T> expected;
     layer.forward(x, x, x, options, fresh, expected);
-    EXPECT_TRUE(attn_test::identical(flat(returned.output), flat(expected.output)));
-    EXPECT_TRUE(attn_test::identical(flat(returned.weights), flat(expected.weights)));
-    EXPECT_TRUE(attn_test::identical(flat(returned.head_weights), flat(expected.head_weights)));
+    EXPECT_TRUE(attn_test::identical(as_rows<T>(returned.output), as_rows<T>(expected.output)));
+    EXPECT_TRUE(attn_test::identical(as_rows<T>(returned.weights), as_rows<T>(expected.weights)));
+    EXPECT_TRUE(
+        attn_test::identical(as_rows<T>(returned.head_weights), as_rows<T>(expected.head_weights)));
     EXPECT_EQ(returned.weights.size(), expected.weights.size());
     EXPECT_EQ(returned.head_weights.size(), expected.head_weights.size());
 
@@ -715,20 +711,24 @@ TYPED_TEST(MultiHeadLayer, ReturningOverloadsReuseThisThreadsWorkspace) {
     EXPECT_EQ(kept.Q.rows(), batch * n);
     const MultiHeadResult<T> again = layer.forward(x, x, x, options);
     EXPECT_EQ(kept.Q.data(), projected);
-    EXPECT_TRUE(attn_test::identical(flat(again.output), flat(expected.output)));
+    EXPECT_TRUE(attn_test::identical(as_rows<T>(again.output), as_rows<T>(expected.output)));
 
     const Tensor3<T> d_output = random_tensor<T>(batch, n, 16, rng);
     const attn::MultiHeadGrads<T> grads = layer.backward(x, x, x, d_output, options);
     attn::MultiHeadWorkspace<T> fresh_backward;
     attn::MultiHeadGrads<T> expected_grads;
     layer.backward(x, x, x, d_output, options, fresh_backward, expected_grads);
-    EXPECT_TRUE(attn_test::identical(flat(grads.d_query), flat(expected_grads.d_query)));
+    EXPECT_TRUE(
+        attn_test::identical(as_rows<T>(grads.d_query), as_rows<T>(expected_grads.d_query)));
     EXPECT_TRUE(attn_test::identical(grads.dW_Q, expected_grads.dW_Q));
     EXPECT_TRUE(attn_test::identical(grads.dW_K, expected_grads.dW_K));
     EXPECT_TRUE(attn_test::identical(grads.dW_O, expected_grads.dW_O));
   }
 }
 
+/// A batch item whose keys are all padding attends nothing: zero weights and a zero attention
+/// output (so the layer's output is the output bias), never NaN (PyTorch 1.13 gives NaN here).
+/// The other item is unaffected.
 TYPED_TEST(MultiHeadLayer, FullyPaddedBatchItemGivesZerosNotNaN) {
   using T = TypeParam;
   std::mt19937 rng(5);
