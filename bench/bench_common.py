@@ -137,6 +137,45 @@ def run_benchmarks(binary, names, env, repetitions, min_time_s, warmup_s=0.0, sc
     return runs, report["context"]
 
 
+def rounds_arguments(parser, quick_help="one short round"):
+    """The options of the scripts that time their cases in rounds: --build, --threads,
+    --repetitions (rounds), --min-time (seconds per case and round), --quick (one short round,
+    and whatever else the script says in `quick_help`). Returns the parsed arguments."""
+    parser.add_argument("--build", default="build", help="the CMake build folder (Release)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--min-time", type=float, default=0.3, help="seconds per case and round")
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    args = parser.parse_args()
+    if args.quick:
+        args.repetitions, args.min_time = 1, 0.05
+    return args
+
+
+class Rounds:
+    """The cases `names` of `binary` run `args.repetitions` times in turn, one process a round
+    (`run_benchmarks`), so that each ratio compares neighbours in time; medians over the rounds."""
+
+    def __init__(self, binary, names, args, script):
+        env = threads_env(args.threads)
+        self.rounds = []
+        for r in range(args.repetitions):
+            log("%s: round %d of %d" % (script, r + 1, args.repetitions))
+            self.rounds.append(run_benchmarks(binary, names, env, 1, args.min_time, warmup_s=0.1,
+                                              script=script)[0])
+
+    def median(self, name, key=None):
+        """The median ms per call of case `name`, or of its counter `key`."""
+        if key is None:
+            return statistics.median(r[name]["median_ms"] for r in self.rounds)
+        return statistics.median(r[name]["counters"][key] for r in self.rounds)
+
+    def speedup(self, base, name):
+        """The median over the rounds of time(base) / time(name)."""
+        return statistics.median(r[base]["median_ms"] / r[name]["median_ms"]
+                                 for r in self.rounds)
+
+
 def fma_peak(build, min_time_s, repetitions=3, script="bench"):
     """The single-core FMA peak from build/bench/attn_peak_fma_bench: (FLOP/s, the best of its
     repetitions, as noise on a shared machine only lowers it; the binary's label)."""

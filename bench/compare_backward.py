@@ -26,24 +26,17 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import (benchmark_names, compiler_and_flags, fma_peak, log,  # noqa: E402
-                          machine_line, markdown_table, require_binary, run_benchmarks,
-                          threads_env, verdict)
+                          machine_line, markdown_table, require_binary, rounds_arguments,
+                          run_benchmarks, threads_env, verdict)
 
 TARGET = 2.5
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--build", default="build", help="the CMake build folder (Release)")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repetitions", type=int, default=3)
-    parser.add_argument("--min-time", type=float, default=0.3, help="seconds per repetition")
-    parser.add_argument("--quick", action="store_true", help="n <= 1024, short runs")
-    args = parser.parse_args()
+    args = rounds_arguments(parser, quick_help="n <= 1024, one short round")
     script = "compare_backward.py"
     binary = require_binary(args.build, "attn_backward_bench", script)
-    if args.quick:
-        args.repetitions, args.min_time = 1, 0.05
 
     peak_before, _ = fma_peak(args.build, 0.2, script=script)
     env = threads_env(args.threads)

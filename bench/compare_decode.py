@@ -21,12 +21,11 @@ Standard library only; run it with /usr/bin/python3.
 
 import argparse
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (compiler_and_flags, log, machine_line, markdown_table,  # noqa: E402
-                          require_binary, run_benchmarks, threads_env, verdict)
+from bench_common import (Rounds, compiler_and_flags, machine_line,  # noqa: E402
+                          markdown_table, require_binary, rounds_arguments, verdict)
 
 FORMATS = [(0, "float (Same)"), (1, "Float16"), (2, "BFloat16"), (3, "Int8"),
            (4, "BFloat16, vdpbf16ps"), (5, "Int8, vpdpwssd")]
@@ -47,29 +46,13 @@ def case_name(tokens, storage):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--build", default="build", help="the CMake build folder (Release)")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repetitions", type=int, default=3)
-    parser.add_argument("--min-time", type=float, default=0.3, help="seconds per case and round")
-    parser.add_argument("--quick", action="store_true", help="one short round")
-    args = parser.parse_args()
+    args = rounds_arguments(parser)
     script = "compare_decode.py"
     binary = require_binary(args.build, "attn_decode_bench", script)
-    if args.quick:
-        args.repetitions, args.min_time = 1, 0.05
-    env = threads_env(args.threads)
     token_counts = [1024, 4096, 16384]
     names = ["BM_stream_sum"] + [case_name(t, s) for t in token_counts for s, _ in FORMATS]
-    rounds = []
-    for r in range(args.repetitions):
-        log("%s: round %d of %d" % (script, r + 1, args.repetitions))
-        rounds.append(run_benchmarks(binary, names, env, 1, args.min_time, warmup_s=0.1,
-                                     script=script)[0])
-
-    def median(name, key=None):
-        if key is None:
-            return statistics.median(r[name]["median_ms"] for r in rounds)
-        return statistics.median(r[name]["counters"][key] for r in rounds)
+    rounds = Rounds(binary, names, args, script)
+    median = rounds.median
 
     stream = median("BM_stream_sum", "bytes_per_second")
     rows = []
@@ -78,8 +61,7 @@ def main():
         base = case_name(tokens, 0)
         for storage, label in FORMATS:
             name = case_name(tokens, storage)
-            speedup = statistics.median(r[base]["median_ms"] / r[name]["median_ms"]
-                                        for r in rounds)
+            speedup = rounds.speedup(base, name)
             bandwidth = median(name, "bytes_per_second")
             fraction = bandwidth / stream
             bytes_streamed = bandwidth * median(name) / 1e3
@@ -109,8 +91,7 @@ def main():
     print()
     for storage, counter, label in ((4, "vdpbf16ps", "BFloat16, vdpbf16ps"),
                                     (5, "vpdpwssd", "Int8, vpdpwssd")):
-        ran = statistics.median(r[case_name(TARGET_TOKENS, storage)]["counters"][counter]
-                                for r in rounds)
+        ran = median(case_name(TARGET_TOKENS, storage), counter)
         print("%s %s on this machine (the row '%s' is otherwise the float path)"
               % (counter, "ran" if ran else "did not run", label))
     print("Targets at %d tokens: %s" % (TARGET_TOKENS, verdict(all_met)))

@@ -292,16 +292,17 @@ TEST(KVStorageCache, RowsAreNeverRoundedTwice) {
   }
 }
 
-/// The worst error of a decoding step over n cached tokens in `storage`, against the double
-/// computation over the unrounded values: max |o - o_ref| / max |o_ref| over every head.
-double worst_relative_error(KVStorage storage, Index n, std::uint32_t seed) {
+/// The worst error of a decoding step over n cached tokens in `storage` (or of the last `queries`
+/// tokens' queries, causal), against the double computation over the unrounded values:
+/// max |o - o_ref| / max |o_ref| over every head.
+double worst_relative_error(KVStorage storage, Index n, std::uint32_t seed, Index queries = 1) {
   constexpr Index d = 128;
   constexpr Index kv_heads = 2;
   constexpr Index heads = 8;
   std::mt19937 rng(seed);
   const Matrix<double> K = attn_test::random_matrix<double>(n, kv_heads * d, rng);
   const Matrix<double> V = attn_test::random_matrix<double>(n, kv_heads * d, rng);
-  const Matrix<double> Q = attn_test::random_matrix<double>(1, heads * d, rng);
+  const Matrix<double> Q = attn_test::random_matrix<double>(queries, heads * d, rng);
   KVCacheConfig<double> reference_config;
   reference_config.d_k = d;
   reference_config.d_v = d;
@@ -347,6 +348,37 @@ TEST(KVStorageAccuracy, DecodingAt4096TokensStaysWithinEachFormatsBound) {
       EXPECT_GT(worst, 1e-6) << name(b.storage) << ": the keys were not rounded at all";
     }
   }
+}
+
+TEST(KVStorageAccuracy, BFloat16ArithmeticAt4096TokensStaysWithinItsBound) {
+  // The README's accuracy table, rows "BFloat16 + vdpbf16ps" (`set_bfloat16_arithmetic`): one
+  // decoding step (scores by vdpbf16ps on the rounded queries) and the last 256 tokens' queries
+  // (the tiled kernel: scores and values by vdpbf16ps, the probabilities rounded too). Same setup
+  // and reference as the formats' test above; the bound is about twice the worst of 3 seeds.
+  attn::set_bfloat16_arithmetic(true);
+  const bool available = attn::bfloat16_arithmetic();
+  if (!available) {
+    attn::set_bfloat16_arithmetic(false);
+    std::printf("[ accuracy ] bfloat16 arithmetic not available on this CPU: nothing to measure\n");
+    return;
+  }
+  struct Bound {
+    Index queries;
+    double bound;
+  };
+  for (const Bound b : {Bound{1, 1e-2}, Bound{256, 1e-2}}) {
+    double worst = 0;
+    for (std::uint32_t seed = 1; seed <= 3; ++seed) {
+      worst = std::max(worst, worst_relative_error(KVStorage::BFloat16, 4096, seed, b.queries));
+    }
+    std::printf(
+        "[ accuracy ] BFloat16 + vdpbf16ps, %3ld queries, n = 4096: worst relative error "
+        "%.2e (bound %.1e)\n",
+        static_cast<long>(b.queries), worst, b.bound);
+    EXPECT_LT(worst, b.bound) << b.queries << " queries";
+    EXPECT_GT(worst, 1e-6) << b.queries << " queries";
+  }
+  attn::set_bfloat16_arithmetic(false);
 }
 
 TEST(KVStorageCache, BytesCountWhatIsStored) {
@@ -492,6 +524,145 @@ TEST(KVStorageBFloat16Arithmetic, EachPathThisMachineSupports) {
     const auto want = attn_test::naive_attention<float>(q_rounded, cache.keys(h / 4),
                                                         cache.values(h / 4), options);
     EXPECT_TRUE(attn_test::near_t<float>(chosen.middleCols(h * d, d), want.output)) << "head " << h;
+  }
+}
+
+/// The tiled kernel in bfloat16 arithmetic (`set_bfloat16_arithmetic`, keys and values in
+/// bfloat16): scores by vdpbf16ps on the queries rounded to bfloat16, and, where d_v is a multiple
+/// of 16, the value product by vdpbf16ps on the probabilities rounded to bfloat16. Against
+/// long-double loops over the rounded queries and the stored keys and values:
+/// - widths whose values take the float tiles agree to float rounding (the scores' check);
+/// - the others within the probabilities' rounding: |sum_j (p~_j - p_j) v_j| / l <= u max |v| with
+///   u = 2^-8, bfloat16's unit roundoff (l = sum_j p_j is summed before rounding).
+/// Through `flash_attention` (query blocks in parallel), `attention_heads` (one head's blocks on a
+/// thread) and a bfloat16 cache's several queries, which must equal `flash_attention` head by head.
+/// Says which paths ran.
+TEST(FlashBFloat16Arithmetic, EachPathThisMachineSupports) {
+  using Rows = Eigen::Matrix<Eigen::bfloat16, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const auto rounded = [](const Matrix<float>& X) -> Matrix<float> {
+    return X.cast<Eigen::bfloat16>().cast<float>();
+  };
+  const auto run = [](bool bfloat16, const auto& call) {
+    attn::set_bfloat16_arithmetic(bfloat16);
+    auto result = call();
+    attn::set_bfloat16_arithmetic(false);
+    return result;
+  };
+  attn::set_bfloat16_arithmetic(true);
+  const bool dispatched = attn::bfloat16_arithmetic() && attn::detail::bfloat16_tiles_compiled();
+  attn::set_bfloat16_arithmetic(false);
+  std::printf("[ dispatch ] tiled kernel, AVX512_BF16 %s%s: paths run: float%s\n",
+              attn::bfloat16_arithmetic_available() ? "available" : "not available",
+              attn::detail::bfloat16_tiles_compiled() ? "" : " (not compiled for AVX-512)",
+              dispatched ? ", bfloat16 scores and values (vdpbf16ps)" : "");
+  RecordProperty("bfloat16_tiles_ran", dispatched ? "yes" : "no");
+
+  struct Shape {
+    Index n, m, d_k, d_v;
+  };
+  attn::AttentionOptions<float> plain;
+  attn::AttentionOptions<float> rich;  // a tile that crosses each row's range, softcap, sink
+  rich.causal = attn::Causal::BottomRight;
+  rich.window = 40;
+  rich.softcap = 20.0f;
+  rich.sink = 0.5f;
+  std::mt19937 rng(34);
+  // Rows that are not whole register tiles, keys that are not whole panels (and two key tiles),
+  // odd d_k; d_v of 64,
+  // 128 (two column groups), 80 (4 + 1 registers), 48 (3), and 33 and 20 (the float value tiles).
+  for (const Shape shape :
+       {Shape{37, 45, 64, 64}, Shape{130, 701, 128, 128}, Shape{25, 200, 65, 80},
+        Shape{50, 97, 20, 48}, Shape{13, 70, 33, 33}, Shape{40, 600, 64, 20}}) {
+    const Matrix<float> Q = attn_test::random_matrix<float>(shape.n, shape.d_k, rng, 2.0);
+    const Rows K =
+        attn_test::random_matrix<float>(shape.m, shape.d_k, rng, 2.0).cast<Eigen::bfloat16>();
+    const Rows V =
+        attn_test::random_matrix<float>(shape.m, shape.d_v, rng, 2.0).cast<Eigen::bfloat16>();
+    const Matrix<float> K_stored = K.cast<float>();
+    const Matrix<float> V_stored = V.cast<float>();
+    for (const auto* options : {&plain, &rich}) {
+      const auto call = [&] { return attn::flash_attention(Q, K, V, *options); };
+      const Matrix<float> portable = run(false, call);
+      const Matrix<float> chosen = run(true, call);
+      const std::string where = "n " + std::to_string(shape.n) + ", m " + std::to_string(shape.m) +
+                                ", d_k " + std::to_string(shape.d_k) + ", d_v " +
+                                std::to_string(shape.d_v) + (options == &rich ? ", rich" : "");
+      if (!dispatched) {
+        EXPECT_TRUE(attn_test::identical(chosen, portable)) << where;
+        continue;
+      }
+      EXPECT_FALSE(attn_test::identical(chosen, portable))
+          << "the bfloat16 path did not run: " << where;
+      const auto want = attn_test::naive_attention<float>(rounded(Q), K_stored, V_stored, *options);
+      if (shape.d_v % 16 != 0) {
+        EXPECT_TRUE(attn_test::near_t<float>(chosen, want.output)) << where;
+      } else {
+        const float bound = (1.0f / 256 + 1e-5f) * V_stored.cwiseAbs().maxCoeff();
+        const float error = (chosen.cast<long double>() - want.output).cwiseAbs().maxCoeff();
+        EXPECT_LE(error, bound) << where;
+        EXPECT_GT(error, 0.0f) << where;
+      }
+    }
+  }
+  if (!dispatched) return;
+
+  // The NaN rule holds: a query with a NaN gives a NaN row (recomputed by the float path), and
+  // the other rows are what they were.
+  {
+    Matrix<float> Q = attn_test::random_matrix<float>(40, 64, rng);
+    const Rows K = attn_test::random_matrix<float>(300, 64, rng).cast<Eigen::bfloat16>();
+    const Rows V = attn_test::random_matrix<float>(300, 64, rng).cast<Eigen::bfloat16>();
+    const Matrix<float> clean = run(true, [&] { return attn::flash_attention(Q, K, V, plain); });
+    Q(3, 5) = std::numeric_limits<float>::quiet_NaN();
+    const Matrix<float> with_nan = run(true, [&] { return attn::flash_attention(Q, K, V, plain); });
+    EXPECT_TRUE(with_nan.row(3).array().isNaN().all());
+    EXPECT_TRUE(attn_test::identical(with_nan.topRows(3), clean.topRows(3)));
+    EXPECT_TRUE(attn_test::identical(with_nan.bottomRows(36), clean.bottomRows(36)));
+  }
+
+  // attention_heads: 4 query heads over 2 key/value heads, 100 queries over 1000 keys each (the
+  // tiled path); head by head equal to flash_attention, bit for bit.
+  attn::Tensor3<float> Q(4, 100, 64);
+  attn::Tensor3<Eigen::bfloat16> K(2, 1000, 64), V(2, 1000, 64);
+  std::normal_distribution<float> normal;
+  for (Index i = 0; i < Q.size(); ++i) Q.data()[i] = normal(rng);
+  for (Index i = 0; i < K.size(); ++i) {
+    K.data()[i] = Eigen::bfloat16(normal(rng));
+    V.data()[i] = Eigen::bfloat16(normal(rng));
+  }
+  const attn::Tensor3<float> heads =
+      run(true, [&] { return attn::attention_heads(Q, K, V, rich); });
+  for (Index h = 0; h < 4; ++h) {
+    const Matrix<float> one = run(true, [&] {
+      return attn::flash_attention(attn::detail::slice(Q, h), attn::detail::slice(K, h / 2),
+                                   attn::detail::slice(V, h / 2), rich);
+    });
+    EXPECT_TRUE(attn_test::identical(attn::detail::slice(heads, h), one)) << "head " << h;
+  }
+
+  // A cache in bfloat16: its last 100 tokens' queries over 1000 (causal, bottom right; the tiled
+  // path), head by head equal to flash_attention over what it stores.
+  KVCacheConfig<float> config;
+  config.d_k = 64;
+  config.d_v = 64;
+  config.kv_heads = 2;
+  config.storage = KVStorage::BFloat16;
+  KVCache<float> cache(config);
+  cache.append(attn_test::random_matrix<float>(1000, 128, rng),
+               attn_test::random_matrix<float>(1000, 128, rng));
+  const Matrix<float> Q_new = attn_test::random_matrix<float>(100, 4 * 64, rng);
+  const Matrix<float> portable = run(false, [&] { return cache.attend(Q_new); });
+  const Matrix<float> chosen = run(true, [&] { return cache.attend(Q_new); });
+  EXPECT_FALSE(attn_test::identical(chosen, portable));
+  attn::AttentionOptions<float> causal;
+  causal.causal = attn::Causal::BottomRight;
+  for (Index h = 0; h < 4; ++h) {
+    const Rows K_h = cache.keys(h / 2).cast<Eigen::bfloat16>();
+    const Rows V_h = cache.values(h / 2).cast<Eigen::bfloat16>();
+    const Matrix<float> Q_h = Q_new.middleCols(h * 64, 64);
+    const Matrix<float> one =
+        run(true, [&] { return attn::flash_attention(Q_h, K_h, V_h, causal); });
+    EXPECT_TRUE(attn_test::identical(chosen.middleCols(h * 64, 64), one)) << "cache, head " << h;
   }
 }
 

@@ -4,8 +4,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <type_traits>
+#include <vector>
 
+#include "detail/bfloat16_tiles.hpp"
 #include "detail/exact_rows.hpp"
 #include "detail/online_softmax.hpp"
 #include "detail/pipeline.hpp"
@@ -31,14 +35,24 @@ struct FlashTiles {
 namespace detail {
 
 /// The keys of one call packed once for the score tiles (`pack_panels`), shared by every thread:
-/// panel p holds keys [p w, (p + 1) w), w = `ScoreTile<T>::cols`.
+/// panel p holds keys [p w, (p + 1) w), w = `ScoreTile<T>::cols`. For the bfloat16 score tiles
+/// (detail/bfloat16_tiles.hpp) the keys are in `bfloat16_panels` instead, and the queries they
+/// meet, rounded, in `bfloat16_queries` (`panels` is then null).
 template <class T>
 struct PackedKeys {
   const T* panels = nullptr;
   Index d = 0;
+  const std::uint32_t* bfloat16_panels = nullptr;   ///< `pack_bfloat16_keys`, or null
+  const std::uint32_t* bfloat16_queries = nullptr;  ///< `pack_bfloat16_queries` of the call's Q
+  const std::uint32_t* bfloat16_values = nullptr;   ///< `pack_bfloat16_values`, or null
   const T* panel(Index j0) const {
     constexpr Index w = ScoreTile<T>::cols;
     return panels + (j0 / w) * d * w;
+  }
+  /// Feature pairs per row of the bfloat16 operands.
+  Index pairs() const { return (d + 1) / 2; }
+  const std::uint32_t* bfloat16_panel(Index j0) const {
+    return bfloat16_panels + (j0 / bfloat16_panel_keys) * pairs() * bfloat16_panel_keys;
   }
 };
 
@@ -49,6 +63,7 @@ struct FlashScratch {
   Vector<T> alpha;         ///< each row's rescale of its running output for the current tile
   OnlineSoftmax<T> state;  ///< running output, maxima and sums of the block's rows
   Matrix<T> values;        ///< stored values: the tile's rows widened to T
+  std::vector<std::uint32_t> p_bfloat16;  ///< probabilities rounded (bfloat16 value tiles)
 };
 
 /// Keys in a stored format (detail/stored.hpp) packed for the score tiles, widened on the way
@@ -59,6 +74,39 @@ const T* pack_keys(const StoredBlock<Codec, T>& K) {
   pack_panels<T>(
       K.rows(), K.cols(), [&](Index j, Index c) { return K(j, c); }, packed);
   return packed;
+}
+
+/// The keys of one call packed for the score tiles (by the calling thread, into its own buffers):
+/// float panels (`pack_keys`); or, for float queries over keys and values stored in bfloat16 while
+/// `bfloat16_arithmetic()` is on (in translation units where `bfloat16_tiles_compiled()`), the
+/// operands of detail/bfloat16_tiles.hpp: the keys and the rounded queries in pairs of features,
+/// and, when d_v is a multiple of 16, the values in pairs of keys.
+template <class T, class KBlock, class VBlock>
+PackedKeys<T> pack_for_scores(ConstRef<T> Q, const KBlock& K, const VBlock& V) {
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<codec_of_t<KBlock, T>, BFloat16Codec> &&
+                bfloat16_tiles_compiled()) {
+    if (bfloat16_arithmetic()) {
+      thread_local std::vector<std::uint32_t> keys, queries, values;  // grown to the largest call
+      PackedKeys<T> packed{nullptr, K.cols()};
+      const Index panels = (K.rows() + bfloat16_panel_keys - 1) / bfloat16_panel_keys;
+      const auto grow = [](std::vector<std::uint32_t>& buffer, Index size) {
+        if (buffer.size() < std::size_t(size)) buffer.resize(std::size_t(size));
+      };
+      grow(keys, panels * bfloat16_panel_keys * packed.pairs());
+      grow(queries, Q.rows() * packed.pairs());
+      pack_bfloat16_keys(K, keys.data());
+      pack_bfloat16_queries(Q, queries.data());
+      packed.bfloat16_panels = keys.data();
+      packed.bfloat16_queries = queries.data();
+      if (bfloat16_value_width(V.cols())) {
+        grow(values, panels * bfloat16_panel_keys / 2 * V.cols());
+        pack_bfloat16_values(V, values.data());
+        packed.bfloat16_values = values.data();
+      }
+      return packed;
+    }
+  }
+  return PackedKeys<T>{pack_keys<T>(K), K.cols()};
 }
 
 /// Rows [j0, j0 + cols) of the values as the value kernel reads them: in place for T, widened
@@ -102,6 +150,18 @@ template <class T>
 void flash_scores(ConstRef<T> Q, const PackedKeys<T>& keys, T scale, Index i0, Index rows, Index j0,
                   Index cols, T* s, Index s_stride) {
   constexpr Index w = ScoreTile<T>::cols;
+#if defined(ATTN_X86_TARGETS)
+  if constexpr (std::is_same_v<T, float> && bfloat16_tiles_compiled()) {
+    if (keys.bfloat16_panels) {
+      const Index pairs = keys.pairs();
+      for (Index jj = 0; jj < cols; jj += w) {
+        bfloat16_score_panel(keys.bfloat16_queries + i0 * pairs, pairs, rows,
+                             keys.bfloat16_panel(j0 + jj), pairs, scale, s + jj, s_stride);
+      }
+      return;
+    }
+  }
+#endif
   for (Index jj = 0; jj < cols; jj += w) {
     score_panel<T>(Q.data() + i0 * Q.outerStride(), Q.outerStride(), rows, keys.panel(j0 + jj),
                    Q.cols(), scale, s + jj, s_stride, w, false);
@@ -121,6 +181,8 @@ void flash_scores(ConstRef<T> Q, const PackedKeys<T>& keys, T scale, Index i0, I
 ///   2. Each row's online-softmax step (`online_softmax_step`: its max, the vectorised exp and
 ///      sum, its rescale alpha), then o_i = diag(alpha) o_i + p_ij V_j in the value kernel's
 ///      register tiles (`value_tiles`), the rescale fused into the load of o_i.
+/// With bfloat16 operands in `keys` (`pack_for_scores`), both products take the bfloat16 tiles
+/// instead (`bfloat16_score_panel`; p_ij rounded, then `bfloat16_value_tiles`).
 /// Finally O_i = o_i / l_i, guarded, and lse_i = m_i + log(l_i); rows that came out not finite are
 /// recomputed key by key (`repair_rows`), so a forbidden key's NaN value never reaches them.
 /// K and V are blocks of T or `StoredBlock`s (the keys are then widened when packed, the values
@@ -165,6 +227,21 @@ void flash_block(ConstRef<T> Q, const KBlock& K, const VBlock& V, const PackedKe
       Eigen::Map<RowVector<T>> logits(row, padded);
       scratch.alpha(r) = online_softmax_step<T>(logits, scratch.state.m(r), scratch.state.l(r));
     }
+#if defined(ATTN_X86_TARGETS)
+    if constexpr (std::is_same_v<T, float> && bfloat16_tiles_compiled()) {
+      if (keys.bfloat16_values) {
+        const Index pairs = padded / 2;
+        scratch.p_bfloat16.resize(std::size_t(rows * pairs));
+        for (Index r = 0; r < rows; ++r) {
+          round_to_bfloat16(s + r * s_stride, padded, scratch.p_bfloat16.data() + r * pairs);
+        }
+        bfloat16_value_tiles(rows, pairs, d_v, scratch.p_bfloat16.data(), pairs,
+                             keys.bfloat16_values + j0 / 2 * d_v, scratch.alpha.data(),
+                             scratch.state.o.data(), scratch.state.o.outerStride());
+        continue;
+      }
+    }
+#endif
     Index v_stride = 0;
     const T* v_rows = value_rows<T>(V, j0, cols, scratch, v_stride);
     value_tiles<T>(rows, cols, d_v, s, s_stride, v_rows, v_stride, scratch.alpha.data(),
@@ -180,7 +257,7 @@ template <class T, class KBlock, class VBlock>
 void flash_blocks(ConstRef<T> Q, const KBlock& K, const VBlock& V, const ScoreRule<T>& rule,
                   const FlashTiles& tiles, FlashScratch<T>& scratch, Eigen::Ref<Matrix<T>> O,
                   T* lse) {
-  const PackedKeys<T> keys{pack_keys<T>(K), K.cols()};
+  const PackedKeys<T> keys = pack_for_scores<T>(Q, K, V);
   for (Index i0 = 0; i0 < Q.rows(); i0 += tiles.query_rows) {
     flash_block<T>(Q, K, V, keys, rule, tiles, i0, std::min(tiles.query_rows, Q.rows() - i0),
                    scratch, O, lse);
@@ -197,7 +274,7 @@ void flash_kernel_on(ConstRef<T> Q, const KBlock& K, const VBlock& V, const Scor
                      const FlashTiles& tiles, Eigen::Ref<Matrix<T>> O, T* lse) {
   const Index n = Q.rows();
   if (n == 0) return;
-  const PackedKeys<T> keys{pack_keys<T>(K), K.cols()};  // the calling thread's; shared by all
+  const PackedKeys<T> keys = pack_for_scores<T>(Q, K, V);  // the calling thread's; shared by all
   const Index blocks = (n + tiles.query_rows - 1) / tiles.query_rows;
   parallel_for<FlashScratch<T>>(blocks, [&](Index b, FlashScratch<T>& scratch) {
     const Index i0 = (blocks - 1 - b) * tiles.query_rows;
@@ -228,7 +305,8 @@ void require_tiles(const char* function, const Tiles& tiles) {
 /// score table.
 /// \param Q        n x d_k queries
 /// \param K        m x d_k keys: Q's scalar type, or `Eigen::half` / `Eigen::bfloat16` (widened
-///                 to Q's type when packed for the score tiles)
+///                 to Q's type when packed for the score tiles; bfloat16 keys and values of float
+///                 queries go through `vdpbf16ps` instead when `set_bfloat16_arithmetic` is on)
 /// \param V        m x d_v values, of K's scalar type (a stored format is widened tile by tile)
 /// \param options  every `AttentionOptions` field; tiles entirely outside the rows' key range
 ///                 (causal, windows, query offset) are never computed

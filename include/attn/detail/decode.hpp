@@ -10,11 +10,6 @@
 #include <limits>
 #include <utility>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define ATTN_X86_TARGETS 1
-#include <immintrin.h>
-#endif
-
 #include "../simd.hpp"
 #include "../types.hpp"
 #include "online_softmax.hpp"
@@ -111,13 +106,7 @@ EIGEN_STRONG_INLINE void decode_scores(std::index_sequence<h...>, const T* q, In
 }
 
 #if defined(ATTN_X86_TARGETS)
-#if defined(__GNUC__) && !defined(__clang__)
-// GCC 12.1 and 12.2 warn, falsely, inside their own AVX-512 intrinsics (the deliberately
-// undefined register of _mm512_undefined_ps; GCC bug 105593): not for attn's code to answer.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+ATTN_INTRINSICS_BEGIN
 /// The sums of the 16 lanes of each of a[0..15], as one packet: lane i holds sum(a[i]). A tree of
 /// 45 shuffles and adds instead of 16 separate horizontal sums (about 8 dependent steps each):
 /// pairs of packets are interleaved and added four times, each time halving the packets while
@@ -230,9 +219,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline Index decode_score
   }
   return j;
 }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+ATTN_INTRINSICS_END
 #endif
 #if defined(EIGEN_VECTORIZE_AVX512)
 
