@@ -598,7 +598,8 @@ TEST(FlashBFloat16Arithmetic, EachPathThisMachineSupports) {
         EXPECT_TRUE(attn_test::near_t<float>(chosen, want.output)) << where;
       } else {
         const float bound = (1.0f / 256 + 1e-5f) * V_stored.cwiseAbs().maxCoeff();
-        const float error = (chosen.cast<long double>() - want.output).cwiseAbs().maxCoeff();
+        const auto error =
+            static_cast<float>((chosen.cast<long double>() - want.output).cwiseAbs().maxCoeff());
         EXPECT_LE(error, bound) << where;
         EXPECT_GT(error, 0.0f) << where;
       }
