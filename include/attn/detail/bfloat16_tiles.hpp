@@ -44,10 +44,13 @@ constexpr bool bfloat16_tiles_compiled() {
 #endif
 }
 
-/// The bits of a float rounded to bfloat16 (to nearest even; NaN stays NaN).
-inline std::uint32_t bfloat16_bits(float x) {
-  return Eigen::numext::bit_cast<std::uint16_t>(Eigen::bfloat16(x));
+/// The 16 bits of a bfloat16, as the low half of a word.
+inline std::uint32_t bfloat16_bits(Eigen::bfloat16 x) {
+  return Eigen::numext::bit_cast<std::uint16_t>(x);
 }
+
+/// The bits of a float rounded to bfloat16 (to nearest even; NaN stays NaN).
+inline std::uint32_t bfloat16_bits(float x) { return bfloat16_bits(Eigen::bfloat16(x)); }
 
 /// Two features as one 32-bit word: `lo` in the low half (`vdpbf16ps`'s even element).
 inline std::uint32_t bfloat16_pair(std::uint32_t lo, std::uint32_t hi) { return lo | (hi << 16); }
@@ -78,9 +81,7 @@ inline void pack_bfloat16_keys(const StoredBlock<BFloat16Codec, float>& K, std::
     for (Index f = 0; f < d; f += 2, packed += w) {
       for (Index jj = 0; jj < width; ++jj) {
         const Eigen::bfloat16* row = K.data() + (j0 + jj) * K.outerStride();
-        const auto element = [&](Index c) {
-          return std::uint32_t(Eigen::numext::bit_cast<std::uint16_t>(row[c]));
-        };
+        const auto element = [&](Index c) { return bfloat16_bits(row[c]); };
         packed[jj] = bfloat16_pair_at(element, f, d);
       }
       std::fill(packed + width, packed + w, 0u);
@@ -97,7 +98,7 @@ inline void pack_bfloat16_values(const StoredBlock<BFloat16Codec, float>& V,
   const Index d_v = V.cols();
   const Index keys = (m + bfloat16_panel_keys - 1) / bfloat16_panel_keys * bfloat16_panel_keys;
   const auto bits = [&](Index j, Index f) -> std::uint32_t {
-    return j < m ? Eigen::numext::bit_cast<std::uint16_t>(V.data()[j * V.outerStride() + f]) : 0u;
+    return j < m ? bfloat16_bits(V.data()[j * V.outerStride() + f]) : 0u;
   };
   for (Index j = 0; j < keys; j += 2) {
     for (Index f = 0; f < d_v; ++f) *packed++ = bfloat16_pair(bits(j, f), bits(j + 1, f));

@@ -377,9 +377,6 @@ void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index col
                                    scratch.q_i16.outerStride(), scratch.q_i16_scale.data() + h0,
                                    K_tile, scales, K.outerStride(), cols, d_k, s, s_stride,
                                    prefetch, prefetch_rows);
-      for (Index r = done; r < prefetch_rows; ++r) {
-        prefetch_row(prefetch + r * K.outerStride(), d_k);
-      }
     }
   }
 #endif
