@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <attn/detail/online_softmax.hpp>
 #include <attn/softmax.hpp>
 #include <cmath>
 #include <cstdint>
@@ -308,6 +309,78 @@ TEST(OnlineSoftmax, StepGivesExactZerosAndAgreesWithStdExp) {
                   1e-5 * static_cast<double>(l));
     }
   }
+}
+
+// Four rows at a time (the decoding kernel's softmax) give what one step per row gives, bit for
+// bit: the logits replaced by the same weights, the same maxima, sums and rescales. The rows mix
+// every case: all in range, masked (-inf) entries, entries far below the max (the checks), all
+// masked with nothing seen yet and with an earlier max, a NaN alone among -inf, a NaN among
+// finite logits, all NaN, and a running max above the whole tile; over row counts that leave a tail of
+// 1 to 3 rows and widths that are whole pairs of packets or not (one step per row then).
+TEST(OnlineSoftmax, RowsFourAtATimeEqualOneStepPerRow) {
+  constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+  constexpr float nan = std::numeric_limits<float>::quiet_NaN();
+  std::mt19937 rng(23);
+  std::uniform_real_distribution<float> uniform(-12.0f, 6.0f);
+  int fast_rows = 0;  // rows that took the interleaved pass (no -inf, nothing far below)
+  for (const Index rows : {1, 4, 7, 9, 12}) {
+    for (const Index cols : {16, 32, 48, 64, 128}) {
+      attn::Matrix<float> s(rows, cols);
+      std::vector<float> m(static_cast<std::size_t>(rows)), l(m.size());
+      for (Index r = 0; r < rows; ++r) {
+        for (Index j = 0; j < cols; ++j) s(r, j) = uniform(rng);
+        const auto at = static_cast<std::size_t>(r);
+        m[at] = r % 3 == 0 ? neg_inf : uniform(rng);  // nothing seen yet, or an earlier tile's max
+        l[at] = m[at] == neg_inf ? 0.0f : 1.5f;
+        switch ((r + cols / 16) % 10) {
+          case 1:
+            s(r, cols / 3) = neg_inf;
+            break;
+          case 2:
+            s(r, cols - 1) = -95.0f;
+            break;  // exp is subnormal: the checks
+          case 3:
+            s.row(r).setConstant(neg_inf);
+            break;
+          case 4:
+            s.row(r).setConstant(neg_inf), s(r, 0) = nan;
+            break;
+          case 5:
+            s(r, cols / 2) = nan;
+            break;
+          case 6:
+            m[at] = 40.0f, l[at] = 1.0f;
+            break;  // the tile far below the running max
+          case 7:
+            s.row(r).setConstant(nan);
+            break;
+          default:  // all in range
+            ++fast_rows;
+            break;
+        }
+      }
+      attn::Matrix<float> want = s;
+      std::vector<float> want_m = m, want_l = l, want_alpha(m.size());
+      for (Index r = 0; r < rows; ++r) {
+        const auto at = static_cast<std::size_t>(r);
+        Eigen::Map<attn::RowVector<float>> row(want.data() + r * want.outerStride(), cols);
+        want_alpha[at] = attn::detail::online_softmax_step<float>(row, want_m[at], want_l[at]);
+      }
+      std::vector<float> alpha(m.size());
+      attn::detail::online_softmax_rows<float>(s.data(), s.outerStride(), rows, cols, m.data(),
+                                               l.data(), alpha.data());
+      const auto bytes = [](const auto& v, std::size_t n) { return n * sizeof(v[0]); };
+      EXPECT_EQ(std::memcmp(s.data(), want.data(), bytes(s.data(), std::size_t(s.size()))), 0)
+          << rows << " x " << cols;
+      EXPECT_EQ(std::memcmp(m.data(), want_m.data(), bytes(m, m.size())), 0)
+          << rows << " x " << cols;
+      EXPECT_EQ(std::memcmp(l.data(), want_l.data(), bytes(l, l.size())), 0)
+          << rows << " x " << cols;
+      EXPECT_EQ(std::memcmp(alpha.data(), want_alpha.data(), bytes(alpha, alpha.size())), 0)
+          << rows << " x " << cols;
+    }
+  }
+  EXPECT_GT(fast_rows, 20);
 }
 
 // The sum the exp pass returns is the sum of the entries it wrote, and a row with a NaN keeps it.

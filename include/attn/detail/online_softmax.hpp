@@ -52,6 +52,94 @@ T online_softmax_step(Eigen::Ref<RowVector<T>> s, T& m, T& l) {
   return alpha;
 }
 
+/// `online_softmax_step` of rows [0, rows) of a tile (row r at `s + r * stride`, `cols` logits;
+/// its m, l and alpha at m[r], l[r], alpha[r]): the same values, bit for bit. Float rows of whole
+/// pairs of packets go four at a time, their maxima and exponentials interleaved: one row's step
+/// is a chain of dependent instructions (maximum, reduction, exp's polynomial, sum) that leaves
+/// the processor idle, and four independent chains fill it. Measured on the 212 GFLOP/s machine
+/// (one thread, 4 rows of 64 logits in the first-level cache): 1.7x the speed of four
+/// `online_softmax_step`s; the decoding step over 1k tokens (32 over 8 heads, d = 128) took
+/// 0.93-0.98x the time. The tiled kernel's blocks measured no gain (rows crossing a causal
+/// diagonal need the checks), so it keeps one step per row. Rows that need the checks below the
+/// normal range, or see nothing, take `online_softmax_step`'s own path.
+template <class T>
+void online_softmax_rows(T* s, Index stride, Index rows, Index cols, T* m, T* l, T* alpha) {
+  Index r0 = 0;
+  if constexpr (FastExp<T>::vectorised) {
+    using Packet = typename FastExp<T>::Packet;
+    using namespace Eigen::internal;
+    constexpr Index lanes = FastExp<T>::lanes;
+    constexpr Index G = 4;
+    constexpr T inf = std::numeric_limits<T>::infinity();
+    if (cols > 0 && cols % (2 * lanes) == 0) {
+      for (; r0 + G <= rows; r0 += G) {
+        // 1. Each row's maximum and minimum (as `packet_max`).
+        Packet max0[G], max1[G], min0[G], min1[G];
+        for (Index g = 0; g < G; ++g) {
+          max0[g] = max1[g] = pset1<Packet>(-inf);
+          min0[g] = min1[g] = pset1<Packet>(inf);
+        }
+        for (Index j = 0; j < cols; j += 2 * lanes) {
+          for (Index g = 0; g < G; ++g) {
+            const T* row = s + (r0 + g) * stride + j;
+            const Packet a = ploadu<Packet>(row);
+            const Packet b = ploadu<Packet>(row + lanes);
+            max0[g] = pmax(max0[g], a);
+            max1[g] = pmax(max1[g], b);
+            min0[g] = pmin(min0[g], a);
+            min1[g] = pmin(min1[g], b);
+          }
+        }
+        // 2. Each row's new maximum and rescale (as `tile_max` and `online_softmax_step`); rows
+        //    that need the checks are done here, alone.
+        bool fast[G];
+        Packet shift[G];
+        for (Index g = 0; g < G; ++g) {
+          const Index r = r0 + g;
+          T* row = s + r * stride;
+          T max = predux_max(pmax(max0[g], max1[g]));
+          const T min = predux_min(pmin(min0[g], min1[g]));
+          if (max == -inf && Eigen::Map<RowVector<T>>(row, cols).hasNaN()) {
+            max = std::numeric_limits<T>::quiet_NaN();
+          }
+          const T m_new = nan_max(m[r], max);
+          fast[g] = m_new != -inf && min - m_new >= ExpConstants::normal_floor;
+          shift[g] = pset1<Packet>(m_new);
+          if (!fast[g])
+            alpha[r] = online_softmax_step<T>(Eigen::Map<RowVector<T>>(row, cols), m[r], l[r]);
+        }
+        // 3. The exponentials and sums of the other rows, interleaved (as `exp_shifted_sum`).
+        Packet sum0[G], sum1[G];
+        for (Index g = 0; g < G; ++g) sum0[g] = sum1[g] = pset1<Packet>(T(0));
+        for (Index j = 0; j < cols; j += 2 * lanes) {
+          for (Index g = 0; g < G; ++g) {
+            if (!fast[g]) continue;
+            T* row = s + (r0 + g) * stride + j;
+            const Packet e0 = exp_normal_range(psub(ploadu<Packet>(row), shift[g]));
+            const Packet e1 = exp_normal_range(psub(ploadu<Packet>(row + lanes), shift[g]));
+            pstoreu(row, e0);
+            pstoreu(row + lanes, e1);
+            sum0[g] = padd(sum0[g], e0);
+            sum1[g] = padd(sum1[g], e1);
+          }
+        }
+        for (Index g = 0; g < G; ++g) {
+          if (!fast[g]) continue;
+          const Index r = r0 + g;
+          const T m_new = pfirst(shift[g]);
+          alpha[r] = std::exp(m[r] - m_new);
+          l[r] = alpha[r] * l[r] + predux(padd(sum0[g], sum1[g]));
+          m[r] = m_new;
+        }
+      }
+    }
+  }
+  for (; r0 < rows; ++r0) {
+    alpha[r0] =
+        online_softmax_step<T>(Eigen::Map<RowVector<T>>(s + r0 * stride, cols), m[r0], l[r0]);
+  }
+}
+
 /// The online-softmax state of a block of query rows: start, step (by the caller's tiles, with
 /// `online_softmax_step` and the rescale of `o`), finish.
 template <class T>
