@@ -58,6 +58,16 @@ EIGEN_STRONG_INLINE void prefetch_row(const E* row, Index width) {
   }
 }
 
+/// The 4 x 4 score blocks' share of the prefetch: the rows [j, j + 4) of `prefetch` (a tile
+/// ahead) that are below `prefetch_rows`, asked for along the blocks, 4 per 4 keys.
+template <class E>
+EIGEN_STRONG_INLINE void prefetch_block_rows(const E* prefetch, Index stride, Index j,
+                                             Index prefetch_rows, Index width) {
+  for (Index r = j; r < std::min(j + 4, prefetch_rows); ++r) {
+    prefetch_row(prefetch + r * stride, width);
+  }
+}
+
 /// Keeps a packet that several multiply-adds share in a register. Without it GCC 12 folds the
 /// packet's load into each multiply-add as a memory operand, loading it again for each, which
 /// made the decoding loops bound by loads rather than by multiply-adds (measured on the project's
@@ -160,9 +170,7 @@ __attribute__((target("avx512f,avx512bf16"))) inline Index decode_scores_bf16_4x
   Index j = 0;
   for (; j + 4 <= cols; j += 4) {
     const Eigen::bfloat16* k = K_tile + j * k_stride;
-    for (Index r = j; r < std::min(j + 4, prefetch_rows); ++r) {
-      prefetch_row(prefetch + r * k_stride, d_k);  // the rows a tile ahead, 4 per 4 keys
-    }
+    prefetch_block_rows(prefetch, k_stride, j, prefetch_rows, d_k);
     __m512 acc[16];
     for (__m512& a : acc) a = _mm512_setzero_ps();
     for (Index c = 0; c < d_k; c += 32) {
@@ -203,9 +211,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline Index decode_score
   Index j = 0;
   for (; j + 4 <= cols; j += 4) {
     const std::int8_t* k = K_tile + j * k_stride;
-    for (Index r = j; r < std::min(j + 4, prefetch_rows); ++r) {
-      prefetch_row(prefetch + r * k_stride, d_k);  // the rows a tile ahead, 4 per 4 keys
-    }
+    prefetch_block_rows(prefetch, k_stride, j, prefetch_rows, d_k);
     __m512i acc[16];
     for (__m512i& a : acc) a = _mm512_setzero_si512();
     for (Index c = 0; c < d_k; c += 32) {
@@ -245,9 +251,7 @@ EIGEN_STRONG_INLINE Index decode_scores_4x4(const float* q, Index q_stride,
   Index j = 0;
   for (; j + 4 <= cols; j += 4) {
     const typename Codec::Bits* k = K_tile + j * k_stride;
-    for (Index r = j; r < std::min(j + 4, prefetch_rows); ++r) {
-      prefetch_row(prefetch + r * k_stride, d_k);
-    }
+    prefetch_block_rows(prefetch, k_stride, j, prefetch_rows, d_k);
     __m512 acc[16];
     for (__m512& a : acc) a = _mm512_setzero_ps();
     for (Index c = 0; c < d_k; c += 16) {

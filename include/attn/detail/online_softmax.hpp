@@ -90,23 +90,21 @@ void online_softmax_rows(T* s, Index stride, Index rows, Index cols, T* m, T* l,
             min1[g] = pmin(min1[g], b);
           }
         }
-        // 2. Each row's new maximum and rescale (as `tile_max` and `online_softmax_step`); rows
-        //    that need the checks are done here, alone.
+        // 2. Each row's new maximum. Rows that need the checks, and rows with nothing above -inf
+        //    (all masked, or NaN among -inf: `tile_max`'s NaN rule), are done here, alone, by
+        //    `online_softmax_step`.
         bool fast[G];
-        Packet shift[G];
+        T m_new[G];
         for (Index g = 0; g < G; ++g) {
           const Index r = r0 + g;
-          T* row = s + r * stride;
-          T max = predux_max(pmax(max0[g], max1[g]));
+          const T max = predux_max(pmax(max0[g], max1[g]));
           const T min = predux_min(pmin(min0[g], min1[g]));
-          if (max == -inf && Eigen::Map<RowVector<T>>(row, cols).hasNaN()) {
-            max = std::numeric_limits<T>::quiet_NaN();
+          m_new[g] = nan_max(m[r], max);
+          fast[g] = max != -inf && min - m_new[g] >= ExpConstants::normal_floor;
+          if (!fast[g]) {
+            alpha[r] =
+                online_softmax_step<T>(Eigen::Map<RowVector<T>>(s + r * stride, cols), m[r], l[r]);
           }
-          const T m_new = nan_max(m[r], max);
-          fast[g] = m_new != -inf && min - m_new >= ExpConstants::normal_floor;
-          shift[g] = pset1<Packet>(m_new);
-          if (!fast[g])
-            alpha[r] = online_softmax_step<T>(Eigen::Map<RowVector<T>>(row, cols), m[r], l[r]);
         }
         // 3. The exponentials and sums of the other rows, interleaved (as `exp_shifted_sum`).
         Packet sum0[G], sum1[G];
@@ -115,8 +113,9 @@ void online_softmax_rows(T* s, Index stride, Index rows, Index cols, T* m, T* l,
           for (Index g = 0; g < G; ++g) {
             if (!fast[g]) continue;
             T* row = s + (r0 + g) * stride + j;
-            const Packet e0 = exp_normal_range(psub(ploadu<Packet>(row), shift[g]));
-            const Packet e1 = exp_normal_range(psub(ploadu<Packet>(row + lanes), shift[g]));
+            const Packet shift = pset1<Packet>(m_new[g]);
+            const Packet e0 = exp_normal_range(psub(ploadu<Packet>(row), shift));
+            const Packet e1 = exp_normal_range(psub(ploadu<Packet>(row + lanes), shift));
             pstoreu(row, e0);
             pstoreu(row + lanes, e1);
             sum0[g] = padd(sum0[g], e0);
@@ -126,10 +125,9 @@ void online_softmax_rows(T* s, Index stride, Index rows, Index cols, T* m, T* l,
         for (Index g = 0; g < G; ++g) {
           if (!fast[g]) continue;
           const Index r = r0 + g;
-          const T m_new = pfirst(shift[g]);
-          alpha[r] = std::exp(m[r] - m_new);
+          alpha[r] = std::exp(m[r] - m_new[g]);
           l[r] = alpha[r] * l[r] + predux(padd(sum0[g], sum1[g]));
-          m[r] = m_new;
+          m[r] = m_new[g];
         }
       }
     }
