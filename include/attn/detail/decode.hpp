@@ -40,32 +40,67 @@ using DecodePacket = typename Eigen::internal::packet_traits<T>::type;
 template <class T>
 constexpr Index decode_lanes = Eigen::internal::unpacket_traits<DecodePacket<T>>::size;
 
-/// Asks for the cache lines of one row of `width` elements ahead of its use, as non-temporal
-/// (`prefetchnta`): each key and value row is read once per step, so it need not displace what
-/// the caches hold. Measured on the 212 GFLOP/s machine (one thread, 32 over 8 heads, d = 128,
-/// the rows a tile ahead asked for 4 per 4 keys), alternated against `prefetcht1` (into the
-/// second level): at 16k tokens 0.82x the time with bfloat16 keys and 0.88x with float; at 1k
-/// tokens (the cache in L3) the same. `prefetcht0` measured about as `prefetchnta`.
-template <class E>
-EIGEN_STRONG_INLINE void prefetch_row(const E* row, Index width) {
-  constexpr Index line = 64 / Index(sizeof(E));
-  for (Index c = 0; c < width; c += line) {
-#if defined(__GNUC__) || defined(__clang__)
-    __builtin_prefetch(row + c, 0, 0);
+/// Asks for the cache line at `p` as non-temporal (`prefetchnta`: each key and value row is read
+/// once per step, so it need not displace what the caches hold; measured on the 212 GFLOP/s
+/// machine against `prefetcht1` at 16k tokens: 0.82x the time with bfloat16 keys, 0.88x with
+/// float). On x86 with GCC or Clang it is an `asm volatile`, not `__builtin_prefetch`: GCC 12
+/// deletes a loop of `__builtin_prefetch` whose bounds it reads through a reference (it counts
+/// the builtin as free of side effects), which left a first form of `PrefetchRows` below
+/// without a single prefetch in the compiled step; an `asm volatile` is never deleted.
+EIGEN_STRONG_INLINE void prefetch_line(const char* p) {
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+  asm volatile("prefetchnta %0" : : "m"(*p));
+#elif defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 0);
 #else
-    Eigen::internal::prefetch(row + c);
+  Eigen::internal::prefetch(p);
 #endif
-  }
 }
 
-/// The 4 x 4 score blocks' share of the prefetch: the rows [j, j + 4) of `prefetch` (a tile
-/// ahead) that are below `prefetch_rows`, asked for along the blocks, 4 per 4 keys.
-template <class E>
-EIGEN_STRONG_INLINE void prefetch_block_rows(const E* prefetch, Index stride, Index j,
-                                             Index prefetch_rows, Index width) {
-  for (Index r = j; r < std::min(j + 4, prefetch_rows); ++r) {
-    prefetch_row(prefetch + r * stride, width);
+/// The rows that one phase of `decode_tile` asks for ahead of the other phase's use (software
+/// prefetch), one row per key it works on: while the scores read a tile's keys, that tile's
+/// value rows; while the values read them, the next tile's key rows. Row r is the `bytes` bytes
+/// at `first + r * stride`; rows [0, rows) are asked for, a line at a time (`prefetch_line`).
+///
+/// Why the other stream: the keys and the values are two streams read in turns of a tile (32 KiB
+/// of each at d = 128 in float). Each phase asking for its own rows a tile ahead leaves the other
+/// stream without requests for half the step; a plain read in turns of 64 rows measured 0.75x the
+/// bandwidth of the same read with the two streams interleaved row by row (the 212 GFLOP/s
+/// machine, one thread, 128 MiB). Asking for the other stream's rows keeps both streams going and
+/// brings each row in about half a tile before its use rather than a whole one. Against each
+/// phase asking for its own rows a tile ahead (the two builds as whole processes in turn, 6
+/// rounds, 32 over 8 heads, d = 128, the 212 GFLOP/s machine): 0.78-0.87x the time at 16k tokens
+/// by storage format on one thread, 0.69-0.83x on two, 0.83-0.93x at 4k, 0.73-0.93x at 1k.
+struct PrefetchRows {
+  const char* first = nullptr;
+  Index stride = 0;  ///< bytes from one row to the next
+  Index bytes = 0;   ///< bytes of a row
+  Index rows = 0;    ///< rows [0, rows) are asked for
+
+  /// Asks for row r (if it is one of the rows).
+  EIGEN_STRONG_INLINE void row(Index r) const {
+    if (r >= rows) return;
+    const char* p = first + r * stride;
+    for (Index c = 0; c < bytes; c += 64) prefetch_line(p + c);
   }
+
+  /// Asks for rows [r, r + 4) (the 4 x 4 score blocks' keys).
+  EIGEN_STRONG_INLINE void block(Index r) const {
+    for (Index i = r; i < std::min(r + 4, rows); ++i) row(i);
+  }
+
+  /// The rows from `done` on, renumbered from 0 (for a loop that starts at key `done`).
+  PrefetchRows rest(Index done) const {
+    return {first + done * stride, stride, bytes, std::max<Index>(rows - done, 0)};
+  }
+};
+
+/// `PrefetchRows` for rows [0, rows) of `width` stored elements, the first at `first`, `stride`
+/// elements apart.
+template <class E>
+PrefetchRows prefetch_rows_of(const E* first, Index stride, Index width, Index rows) {
+  return {reinterpret_cast<const char*>(first), stride * Index(sizeof(E)), width * Index(sizeof(E)),
+          rows};
 }
 
 /// Keeps a packet that several multiply-adds share in a register. Without it GCC 12 folds the
@@ -86,12 +121,13 @@ EIGEN_STRONG_INLINE void keep_in_register(Packet& p) {
 /// Scores of heads [h0, h0 + G) against keys [0, cols) of a tile: s(h, j) = q_h . K_j.
 /// Shape contract: q rows of d_k scalars (d_k a multiple of the packet size), K_tile rows of
 /// k_stride elements stored by `Codec` (with `k_scales` for Int8). Each key row is loaded once per
-/// packet, widened in registers and multiplied into the G accumulators.
+/// packet, widened in registers and multiplied into the G accumulators; row j of `ahead` is asked
+/// for with key j.
 template <class T, class Codec, std::size_t... h>
 EIGEN_STRONG_INLINE void decode_scores(std::index_sequence<h...>, const T* q, Index q_stride,
                                        const typename Codec::Bits* K_tile, const T* k_scales,
                                        Index k_stride, Index cols, Index d_k, T* s, Index s_stride,
-                                       const typename Codec::Bits* prefetch, Index prefetch_rows) {
+                                       const PrefetchRows& ahead) {
   using Packet = DecodePacket<T>;
   constexpr Index lanes = decode_lanes<T>;
   constexpr std::size_t G = sizeof...(h);
@@ -101,7 +137,7 @@ EIGEN_STRONG_INLINE void decode_scores(std::index_sequence<h...>, const T* q, In
   using Eigen::internal::pset1;
   for (Index j = 0; j < cols; ++j) {
     const typename Codec::Bits* k_j = K_tile + j * k_stride;
-    if (j < prefetch_rows) prefetch_row(prefetch + j * k_stride, d_k);
+    ahead.row(j);
     Packet acc[G];
     ((acc[h] = pset1<Packet>(T(0))), ...);
     for (Index c = 0; c < d_k; c += lanes) {
@@ -159,18 +195,17 @@ __attribute__((target("avx512f"))) inline void store_scores_4x4(__m512 sums, flo
 /// given in bfloat16 too (`q` rows of d_k, rounded to nearest even), so each score carries the
 /// rounding of its query. 4 keys x 4 heads per block, summed by `sum_lanes16`. Compiled for its
 /// own target whatever the build's flags (intrinsics only, no Eigen: the same code in every
-/// translation unit), and called only when `bfloat16_arithmetic()`. The rows [0, prefetch_rows)
-/// of `prefetch` (a tile ahead) are asked for 4 per 4 keys, along the blocks: asked for all at
-/// once before the tile, they took 1.3-1.4x the time of this at 16k tokens (one thread, the
-/// 212 GFLOP/s machine). Shape contract: d_k a multiple of 32. Returns the number of keys done.
+/// translation unit), and called only when `bfloat16_arithmetic()`. The rows of `ahead` are asked
+/// for 4 per 4 keys, along the blocks: asked for all at once before the tile, they took 1.3-1.4x
+/// the time of this at 16k tokens (one thread, the 212 GFLOP/s machine). Shape contract: d_k a
+/// multiple of 32. Returns the number of keys done.
 __attribute__((target("avx512f,avx512bf16"))) inline Index decode_scores_bf16_4x4(
     const Eigen::bfloat16* q, Index q_stride, const Eigen::bfloat16* K_tile, Index k_stride,
-    Index cols, Index d_k, float* s, Index s_stride, const Eigen::bfloat16* prefetch,
-    Index prefetch_rows) {
+    Index cols, Index d_k, float* s, Index s_stride, const PrefetchRows& ahead) {
   Index j = 0;
   for (; j + 4 <= cols; j += 4) {
     const Eigen::bfloat16* k = K_tile + j * k_stride;
-    prefetch_block_rows(prefetch, k_stride, j, prefetch_rows, d_k);
+    ahead.block(j);
     __m512 acc[16];
     for (__m512& a : acc) a = _mm512_setzero_ps();
     for (Index c = 0; c < d_k; c += 32) {
@@ -202,7 +237,7 @@ __attribute__((target("avx512f,avx512bf16"))) inline Index decode_scores_bf16_4x
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline Index decode_scores_i16_4x4(
     const std::int16_t* q, Index q_stride, const float* q_scale, const std::int8_t* K_tile,
     const float* k_scales, Index k_stride, Index cols, Index d_k, float* s, Index s_stride,
-    const std::int8_t* prefetch, Index prefetch_rows) {
+    const PrefetchRows& ahead) {
   // Lane 4 h + k of a block's sums belongs to head h: its scale.
   const __m512 head_scales =
       _mm512_set_ps(q_scale[3], q_scale[3], q_scale[3], q_scale[3], q_scale[2], q_scale[2],
@@ -211,7 +246,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline Index decode_score
   Index j = 0;
   for (; j + 4 <= cols; j += 4) {
     const std::int8_t* k = K_tile + j * k_stride;
-    prefetch_block_rows(prefetch, k_stride, j, prefetch_rows, d_k);
+    ahead.block(j);
     __m512i acc[16];
     for (__m512i& a : acc) a = _mm512_setzero_si512();
     for (Index c = 0; c < d_k; c += 32) {
@@ -246,12 +281,11 @@ EIGEN_STRONG_INLINE Index decode_scores_4x4(const float* q, Index q_stride,
                                             const typename Codec::Bits* K_tile,
                                             const float* k_scales, Index k_stride, Index cols,
                                             Index d_k, float* s, Index s_stride,
-                                            const typename Codec::Bits* prefetch,
-                                            Index prefetch_rows) {
+                                            const PrefetchRows& ahead) {
   Index j = 0;
   for (; j + 4 <= cols; j += 4) {
     const typename Codec::Bits* k = K_tile + j * k_stride;
-    prefetch_block_rows(prefetch, k_stride, j, prefetch_rows, d_k);
+    ahead.block(j);
     __m512 acc[16];
     for (__m512& a : acc) a = _mm512_setzero_ps();
     for (Index c = 0; c < d_k; c += 16) {
@@ -284,14 +318,13 @@ EIGEN_STRONG_INLINE Index decode_scores_4x4(const float* q, Index q_stride,
 
 /// o_h = alpha_h o_h + sum_j p(h, j) V_j for heads [h0, h0 + G), over the columns [c0, c0 + C
 /// packets) of the output: the G x C packets of output stay in registers over the whole tile, each
-/// value packet is loaded (and widened) once and multiplied into the G heads. The int8 scales are
-/// already in p.
+/// value packet is loaded (and widened) once and multiplied into the G heads; row j of `ahead` is
+/// asked for with value j. The int8 scales are already in p.
 template <class T, class Codec, Index C, std::size_t... h>
 EIGEN_STRONG_INLINE void decode_values(std::index_sequence<h...>, const T* p, Index p_stride,
                                        const T* alpha, const typename Codec::Bits* V_tile,
                                        Index v_stride, Index cols, T* o, Index o_stride,
-                                       const typename Codec::Bits* prefetch, Index prefetch_rows,
-                                       Index d_v) {
+                                       const PrefetchRows& ahead) {
   using Packet = DecodePacket<T>;
   constexpr Index lanes = decode_lanes<T>;
   constexpr std::size_t G = sizeof...(h);
@@ -308,7 +341,7 @@ EIGEN_STRONG_INLINE void decode_values(std::index_sequence<h...>, const T* p, In
   }
   for (Index j = 0; j < cols; ++j) {
     const typename Codec::Bits* v_j = V_tile + j * v_stride;
-    if (j < prefetch_rows) prefetch_row(prefetch + j * v_stride, d_v);
+    ahead.row(j);
     for (Index c = 0; c < C; ++c) {
       Packet v = load_stored<T, Codec>(v_j + c * lanes);
       keep_in_register(v);
@@ -337,11 +370,6 @@ const T* block_scales(const Block& B) {
   }
 }
 
-/// How far ahead the decoding kernel asks for key and value rows (software prefetch), in rows:
-/// one tile. 2, 4 and 8 tiles ahead made no difference measured at 16k tokens (one thread, every
-/// storage format, the project's machine).
-inline constexpr Index decode_prefetch_rows = 64;
-
 /// One tile for the heads [h0, h0 + G): scores, online-softmax update, values.
 template <class T, std::size_t G, class KBlock, class VBlock>
 void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index cols,
@@ -353,10 +381,6 @@ void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index col
   const auto heads = std::make_index_sequence<G>();
   const Index d_k = K.cols();
   const Index d_v = V.cols();
-  // The first head group asks for the rows `decode_prefetch_rows` ahead while it works on this
-  // tile's.
-  const Index ahead = decode_prefetch_rows;
-  const Index next_rows = std::clamp<Index>(K.rows() - (j0 + ahead), 0, cols);
 
   // 1. Scores of the tile (each key row streamed once from memory for the G heads).
   T* s = scratch.s.data() + h0 * scratch.s.outerStride();
@@ -366,15 +390,22 @@ void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index col
   const T* q = scratch.q_scaled.data() + h0 * scratch.q_scaled.outerStride();
   const Index q_stride = scratch.q_scaled.outerStride();
   const T* scales = k_scales ? k_scales + j0 : nullptr;
-  const auto* prefetch = K_tile + ahead * K.outerStride();
-  const Index prefetch_rows = h0 == 0 ? next_rows : 0;
+  const auto* V_tile = block_data(V) + j0 * V.outerStride();
+  // The first head group's scores ask for this tile's value rows, its values for the next tile's
+  // key rows (`PrefetchRows`; every tile but the last has `cols` rows).
+  const PrefetchRows values_ahead =
+      h0 == 0 ? prefetch_rows_of(V_tile, V.outerStride(), d_v, cols) : PrefetchRows{};
+  const PrefetchRows keys_ahead =
+      h0 == 0 ? prefetch_rows_of(K_tile + cols * K.outerStride(), K.outerStride(), d_k,
+                                 std::min(cols, K.rows() - (j0 + cols)))
+              : PrefetchRows{};
   Index done = 0;
 #if defined(ATTN_X86_TARGETS)
   if constexpr (G == 4 && std::is_same_v<T, float> && std::is_same_v<KCodec, BFloat16Codec>) {
     if (scratch.bf16_scores) {
       done = decode_scores_bf16_4x4(scratch.q_bf16.data() + h0 * scratch.q_bf16.outerStride(),
                                     scratch.q_bf16.outerStride(), K_tile, K.outerStride(), cols,
-                                    d_k, s, s_stride, prefetch, prefetch_rows);
+                                    d_k, s, s_stride, values_ahead);
     }
   }
   if constexpr (G == 4 && std::is_same_v<T, float> && std::is_same_v<KCodec, Int8Codec>) {
@@ -382,7 +413,7 @@ void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index col
       done = decode_scores_i16_4x4(scratch.q_i16.data() + h0 * scratch.q_i16.outerStride(),
                                    scratch.q_i16.outerStride(), scratch.q_i16_scale.data() + h0,
                                    K_tile, scales, K.outerStride(), cols, d_k, s, s_stride,
-                                   prefetch, prefetch_rows);
+                                   values_ahead);
     }
   }
 #endif
@@ -394,14 +425,13 @@ void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index col
                 !std::is_same_v<KCodec, SameCodec<T>>) {
     if (done == 0)
       done = decode_scores_4x4<KCodec>(q, q_stride, K_tile, scales, K.outerStride(), cols, d_k, s,
-                                       s_stride, prefetch, prefetch_rows);
+                                       s_stride, values_ahead);
   }
 #endif
   if (done < cols) {
     decode_scores<T, KCodec>(heads, q, q_stride, K_tile + done * K.outerStride(),
                              scales ? scales + done : nullptr, K.outerStride(), cols - done, d_k,
-                             s + done, s_stride, prefetch + done * K.outerStride(),
-                             std::max<Index>(prefetch_rows - done, 0));
+                             s + done, s_stride, values_ahead.rest(done));
   }
   rule.apply_softcap(scratch.s.block(h0, 0, Index(G), cols));
 
@@ -419,16 +449,15 @@ void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index col
   //    between the passes over the columns).
   const T* alpha = scratch.alpha.data() + h0;
   T* o = state.o.data() + h0 * state.o.outerStride();
-  const auto* V_tile = block_data(V) + j0 * V.outerStride();
   Index c0 = 0;
   for (; c0 + chunk * lanes <= d_v; c0 += chunk * lanes) {
     decode_values<T, VCodec, chunk>(heads, s, s_stride, alpha, V_tile + c0, V.outerStride(), cols,
-                                    o + c0, state.o.outerStride(), V_tile + ahead * V.outerStride(),
-                                    h0 == 0 && c0 == 0 ? next_rows : 0, d_v);
+                                    o + c0, state.o.outerStride(),
+                                    c0 == 0 ? keys_ahead : PrefetchRows{});
   }
   for (; c0 < d_v; c0 += lanes) {
     decode_values<T, VCodec, 1>(heads, s, s_stride, alpha, V_tile + c0, V.outerStride(), cols,
-                                o + c0, state.o.outerStride(), V_tile, 0, d_v);
+                                o + c0, state.o.outerStride(), PrefetchRows{});
   }
 }
 
