@@ -9,8 +9,9 @@ Runs build/bench/attn_decode_bench: BM_stream_sum (what the machine streams at a
 cache length (1k, 4k, 16k tokens; 32 query heads over 8 key/value heads, d = 128) BM_decode_step
 (float storage), BM_decode_stored for each reduced format, BM_decode_bf16_arithmetic
 (bfloat16 keys, scores by vdpbf16ps where the CPU has AVX512_BF16) and BM_decode_int8_arithmetic
-(int8 keys, scores by vpdpwssd where the CPU has AVX512_VNNI), in one process, --repetitions rounds
-(each case >= --min-time seconds per round), so that every ratio compares neighbours in time.
+(int8 keys and values, scores and values by vpdpwssd where the CPU has AVX512_VNNI), in one
+process, --repetitions rounds (each case >= --min-time seconds per round), so that every ratio
+compares neighbours in time.
 Prints a markdown table: each format's median time, its speed-up over the float step (the median
 of the rounds' ratios), the bytes it streams (`KVCache::bytes()`), and its bandwidth as a fraction
 of BM_stream_sum's. Targets (at 16k tokens): float16 and bfloat16 at least 1.8x the float step,

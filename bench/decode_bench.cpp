@@ -84,8 +84,9 @@ void BM_decode_bf16_arithmetic(benchmark::State& state) {
   attn::set_bfloat16_arithmetic(false);
 }
 
-/// BM_decode_stored with int8 keys and integer arithmetic (`attn::set_int8_arithmetic`: the
-/// scores by AVX512_VNNI's vpdpwssd where the CPU has it; the counter says whether it ran).
+/// BM_decode_stored with int8 keys and values and integer arithmetic (`attn::set_int8_arithmetic`:
+/// the scores and the values by AVX512_VNNI's vpdpwssd where the CPU has it; the counter says
+/// whether it ran).
 void BM_decode_int8_arithmetic(benchmark::State& state) {
   attn::set_int8_arithmetic(true);
   state.counters["vpdpwssd"] = attn::int8_arithmetic() ? 1 : 0;

@@ -20,6 +20,7 @@
 #include <limits>
 #include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "test_support.hpp"
@@ -32,6 +33,16 @@ using attn::KVCacheConfig;
 using attn::KVStorage;
 using attn::Mask;
 using attn::Matrix;
+
+/// A cache's configuration: 2 key/value heads, keys and values of width d stored in `storage`.
+KVCacheConfig<float> two_kv_heads(Index d, KVStorage storage) {
+  KVCacheConfig<float> config;
+  config.d_k = d;
+  config.d_v = d;
+  config.kv_heads = 2;
+  config.storage = storage;
+  return config;
+}
 
 constexpr KVStorage kReduced[] = {KVStorage::Float16, KVStorage::BFloat16, KVStorage::Int8};
 
@@ -488,12 +499,7 @@ TEST(NarrowKeysAndValues, EqualTheCallsOnTheWidenedFloats) {
 /// queries rounded to bfloat16. Says which paths ran on this machine.
 TEST(KVStorageBFloat16Arithmetic, EachPathThisMachineSupports) {
   constexpr Index d = 128;
-  KVCacheConfig<float> config;
-  config.d_k = d;
-  config.d_v = d;
-  config.kv_heads = 2;
-  config.storage = KVStorage::BFloat16;
-  KVCache<float> cache(config);
+  KVCache<float> cache(two_kv_heads(d, KVStorage::BFloat16));
   std::mt19937 rng(31);
   cache.append(attn_test::random_matrix<float>(301, 2 * d, rng),
                attn_test::random_matrix<float>(301, 2 * d, rng));
@@ -643,12 +649,7 @@ TEST(FlashBFloat16Arithmetic, EachPathThisMachineSupports) {
 
   // A cache in bfloat16: its last 100 tokens' queries over 1000 (causal, bottom right; the tiled
   // path), head by head equal to flash_attention over what it stores.
-  KVCacheConfig<float> config;
-  config.d_k = 64;
-  config.d_v = 64;
-  config.kv_heads = 2;
-  config.storage = KVStorage::BFloat16;
-  KVCache<float> cache(config);
+  KVCache<float> cache(two_kv_heads(64, KVStorage::BFloat16));
   cache.append(attn_test::random_matrix<float>(1000, 128, rng),
                attn_test::random_matrix<float>(1000, 128, rng));
   const Matrix<float> Q_new = attn_test::random_matrix<float>(100, 4 * 64, rng);
@@ -669,56 +670,73 @@ TEST(FlashBFloat16Arithmetic, EachPathThisMachineSupports) {
 
 /// The int8 arithmetic path (`set_int8_arithmetic`, AVX512_VNNI's vpdpwssd) against long-double
 /// loops over what it computes with: the stored (int8, scaled) keys and values and each scaled
-/// query head rounded to 16 bits with its own scale. Says which paths ran on this machine.
+/// query head rounded to 16 bits with its own scale; the values' weights are rounded to 16 bits
+/// per head and tile, which moves an output entry by at most n max |V| / 65534 over the softmax's
+/// sum (detail/decode.hpp). d = 128 and 96 (the value kernel's passes of 64 and of 32 columns),
+/// 301 tokens (a last tile of 45 keys, odd). Says which paths ran on this machine.
 TEST(KVStorageInt8Arithmetic, EachPathThisMachineSupports) {
-  constexpr Index d = 128;
-  KVCacheConfig<float> config;
-  config.d_k = d;
-  config.d_v = d;
-  config.kv_heads = 2;
-  config.storage = KVStorage::Int8;
-  KVCache<float> cache(config);
-  std::mt19937 rng(32);
-  cache.append(attn_test::random_matrix<float>(301, 2 * d, rng),
-               attn_test::random_matrix<float>(301, 2 * d, rng));
-  const Matrix<float> Q = attn_test::random_matrix<float>(1, 8 * d, rng);  // 4 heads per group
-  attn::set_int8_arithmetic(false);
-  const Matrix<float> portable = cache.attend(Q);
-  attn::set_int8_arithmetic(true);
-  const bool dispatched = attn::int8_arithmetic();
-  const Matrix<float> chosen = cache.attend(Q);
-  // A query that is not finite keeps the float path, and so the NaN rule.
-  Matrix<float> Q_nan = Q;
-  Q_nan(0, 5) = std::numeric_limits<float>::quiet_NaN();
-  const Matrix<float> with_nan = cache.attend(Q_nan);
-  attn::set_int8_arithmetic(false);
+  bool dispatched = false;
+  for (const Index d : {Index(128), Index(96)}) {
+    SCOPED_TRACE("d = " + std::to_string(d));
+    constexpr Index n = 301;
+    const KVCacheConfig<float> config = two_kv_heads(d, KVStorage::Int8);
+    KVCache<float> cache(config);
+    std::mt19937 rng(32);
+    const Matrix<float> K = attn_test::random_matrix<float>(n, 2 * d, rng);
+    Matrix<float> V = attn_test::random_matrix<float>(n, 2 * d, rng);
+    cache.append(K, V);
+    const Matrix<float> Q = attn_test::random_matrix<float>(1, 8 * d, rng);  // 4 heads per group
+    attn::set_int8_arithmetic(false);
+    const Matrix<float> portable = cache.attend(Q);
+    attn::set_int8_arithmetic(true);
+    dispatched = attn::int8_arithmetic();
+    const Matrix<float> chosen = cache.attend(Q);
+    // A query that is not finite keeps the float path for the scores, and so the NaN rule ...
+    Matrix<float> Q_nan = Q;
+    Q_nan(0, 5) = std::numeric_limits<float>::quiet_NaN();
+    const Matrix<float> with_nan_query = cache.attend(Q_nan);
+    // ... and a value row that is not finite (its int8 scale NaN) the float path for the values.
+    V(200, 7) = std::numeric_limits<float>::quiet_NaN();
+    KVCache<float> nan_cache(config);
+    nan_cache.append(K, V);
+    const Matrix<float> with_nan_value = nan_cache.attend(Q);
+    attn::set_int8_arithmetic(false);
+    EXPECT_TRUE(with_nan_query.leftCols(d).array().isNaN().all()) << "head 0 saw the NaN";
+    EXPECT_TRUE(with_nan_query.rightCols(7 * d).array().isFinite().all());
+    EXPECT_TRUE(with_nan_value.leftCols(4 * d).array().isNaN().all()) << "group 0 saw the NaN";
+    EXPECT_TRUE(with_nan_value.rightCols(4 * d).array().isFinite().all());
+    if (!dispatched) {
+      EXPECT_TRUE(attn_test::identical(chosen, portable))
+          << "without the instruction, the float path";
+      continue;
+    }
+    EXPECT_FALSE(attn_test::identical(chosen, portable)) << "the int8 path did not run";
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    for (Index h = 0; h < 8; ++h) {
+      Matrix<float> q_rounded = scale * Q.middleCols(h * d, d);
+      const float q_scale = q_rounded.cwiseAbs().maxCoeff() / 32767.0f;
+      for (Index c = 0; c < d; ++c)
+        q_rounded(0, c) = std::nearbyint(q_rounded(0, c) / q_scale) * q_scale;
+      attn::AttentionOptions<float> options;
+      options.scale = 1.0f;
+      const Matrix<float> values = cache.values(h / 4);
+      const auto want =
+          attn_test::naive_attention<float>(q_rounded, cache.keys(h / 4), values, options);
+      const long double sum = (want.logits.array() - want.logits.maxCoeff()).exp().sum();
+      const double weights_bound = double(n * values.cwiseAbs().maxCoeff() / (65534.0L * sum));
+      EXPECT_TRUE(attn_test::near(chosen.middleCols(h * d, d), want.output,
+                                  attn_test::Tol<float>::rel,
+                                  attn_test::Tol<float>::abs + weights_bound))
+          << "head " << h << ", weights' bound " << weights_bound;
+    }
+    // The rounding of the queries and weights moves the output far less than int8 storage does.
+    EXPECT_LT((chosen - portable).cwiseAbs().maxCoeff(), 1e-3f * portable.cwiseAbs().maxCoeff());
+  }
   std::printf("[ dispatch ] AVX512_VNNI %s: paths run: float%s\n",
               attn::int8_arithmetic_available() ? "available" : "not available",
-              dispatched ? ", int8 keys by 16-bit integers (vpdpwssd)" : "");
+              dispatched ? ", int8 keys and values by 16-bit integers (vpdpwssd)" : "");
   RecordProperty("int8_path_ran", dispatched ? "yes" : "no");
   EXPECT_EQ(dispatched, attn::int8_arithmetic_available());
-  EXPECT_TRUE(with_nan.leftCols(d).array().isNaN().all()) << "head 0 saw the NaN";
-  EXPECT_TRUE(with_nan.rightCols(7 * d).array().isFinite().all());
-  if (!dispatched) {
-    EXPECT_TRUE(attn_test::identical(chosen, portable))
-        << "without the instruction, the float path";
-    return;
-  }
-  EXPECT_FALSE(attn_test::identical(chosen, portable)) << "the int8 path did not run";
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  for (Index h = 0; h < 8; ++h) {
-    Matrix<float> q_rounded = scale * Q.middleCols(h * d, d);
-    const float q_scale = q_rounded.cwiseAbs().maxCoeff() / 32767.0f;
-    for (Index c = 0; c < d; ++c)
-      q_rounded(0, c) = std::nearbyint(q_rounded(0, c) / q_scale) * q_scale;
-    attn::AttentionOptions<float> options;
-    options.scale = 1.0f;
-    const auto want = attn_test::naive_attention<float>(q_rounded, cache.keys(h / 4),
-                                                        cache.values(h / 4), options);
-    EXPECT_TRUE(attn_test::near_t<float>(chosen.middleCols(h * d, d), want.output)) << "head " << h;
-  }
-  // The rounding of the queries moves the output far less than the int8 keys themselves do.
-  EXPECT_LT((chosen - portable).cwiseAbs().maxCoeff(), 1e-3f * portable.cwiseAbs().maxCoeff());
 }
 
 TEST(KVStorageCache, ViewsOfTRowsNeedSameStorage) {

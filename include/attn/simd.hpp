@@ -14,7 +14,7 @@
 /// does not support.
 ///
 /// Two exceptions are dispatched at run time: bfloat16 arithmetic (`set_bfloat16_arithmetic`) and
-/// integer arithmetic over int8 keys (`set_int8_arithmetic`), whose kernels are written in
+/// integer arithmetic over int8 keys and values (`set_int8_arithmetic`), whose kernels are written in
 /// intrinsics only, with their instruction sets named in target attributes, so that every
 /// translation unit compiles the same code whatever its flags.
 ///
@@ -225,12 +225,14 @@ inline std::atomic<bool>& int8_arithmetic_flag() {
 }
 }  // namespace detail
 
-/// Opt in (or out) of integer arithmetic for int8 keys, for the whole program (off by default).
-/// When on and `int8_arithmetic_available()`, a decoding step over keys kept in `KVStorage::Int8`
-/// (4 query heads per key/value head, d_k a multiple of 32 up to 8192, float) computes its
-/// scores with `vpdpwssd` (16-bit products summed in 32-bit integers): the scaled queries are
-/// rounded to 16 bits first (one scale per query head, max |q| / 32767), so the scores carry that
-/// rounding too (tests/kv_storage_test.cpp bounds it); elsewhere, or when off, the float path runs.
+/// Opt in (or out) of integer arithmetic for int8 keys and values, for the whole program (off by
+/// default). When on and `int8_arithmetic_available()`, a decoding step over a cache kept in
+/// `KVStorage::Int8` (4 query heads per key/value head, float) computes with `vpdpwssd` (16-bit
+/// products summed in 32-bit integers) its scores (d_k a multiple of 32 up to 8192: the scaled
+/// queries rounded to 16 bits first, one scale per query head, max |q| / 32767) and its weighted
+/// sum of the values (d_v a multiple of 32: each tile's weights rounded to 16 bits, one scale per
+/// query head and tile of 64 keys, max p / 32767), so the output carries those roundings too
+/// (tests/kv_storage_test.cpp bounds them); elsewhere, or when off, the float path runs.
 inline void set_int8_arithmetic(bool enabled) { detail::int8_arithmetic_flag() = enabled; }
 
 /// Whether the int8 path runs: asked for (`set_int8_arithmetic`) and available.

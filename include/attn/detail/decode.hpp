@@ -32,6 +32,7 @@ struct DecodeScratch {
   Matrix<std::int16_t> q_i16;      ///< the scaled queries in 16 bits (the int8 score path) ...
   Vector<T> q_i16_scale;           ///< ... and their scales, one per query head
   bool i16_scores = false;         ///< this step's int8 keys go through `vpdpwssd`
+  bool i16_values = false;         ///< this step's int8 values go through `vpdpwssd`
 };
 
 template <class T>
@@ -225,6 +226,32 @@ __attribute__((target("avx512f,avx512bf16"))) inline Index decode_scores_bf16_4x
   return j;
 }
 
+/// acc += the products of a's and b's 16-bit lanes, summed in pairs into acc's 32-bit lanes
+/// (`vpdpwssd`). With GCC an `asm` of the one instruction: GCC 12 compiles the intrinsic with a copy
+/// of the accumulator into another register and back around every instruction (3 instructions for
+/// 1, and stack spills beyond 16 accumulators; counted in the 4 x 4 score loop below with objdump).
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) EIGEN_STRONG_INLINE __m512i
+add_products_i16(__m512i acc, __m512i a, __m512i b) {
+#if defined(__GNUC__) && !defined(__clang__)
+  asm("vpdpwssd {%2, %1, %0|%0, %1, %2}" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+#else
+  return _mm512_dpwssd_epi32(acc, a, b);
+#endif
+}
+
+/// `add_products_i16` with b the 32 bits at `pair` in every lane (a broadcast from memory, which
+/// leaves the registers to the accumulators).
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) EIGEN_STRONG_INLINE __m512i
+add_products_i16(__m512i acc, __m512i a, const std::int32_t* pair) {
+#if defined(__GNUC__) && !defined(__clang__)
+  asm("vpdpwssd {%2%{1to16%}, %1, %0|%0, %1, %2%{1to16%}}" : "+v"(acc) : "v"(a), "m"(*pair));
+  return acc;
+#else
+  return _mm512_dpwssd_epi32(acc, a, _mm512_set1_epi32(*pair));
+#endif
+}
+
 /// Scores of 4 query heads against keys [0, cols - cols % 4) stored in int8, by `vpdpwssd`
 /// (AVX512_VNNI on AVX512BW's 16-bit lanes: 32 products of 16-bit integers per instruction, summed
 /// in pairs into 16 32-bit lanes): each key row widened from 8 to 16 bits, the queries given in 16
@@ -256,7 +283,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline Index decode_score
         const __m512i kv = _mm512_cvtepi8_epi16(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + key * k_stride + c)));
         for (int h = 0; h < 4; ++h) {
-          acc[4 * h + key] = _mm512_dpwssd_epi32(acc[4 * h + key], qh[h], kv);
+          acc[4 * h + key] = add_products_i16(acc[4 * h + key], qh[h], kv);
         }
       }
     }
@@ -267,6 +294,115 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline Index decode_score
     store_scores_4x4(sums, s + j, s_stride);
   }
   return j;
+}
+
+/// The largest decoding tile `decode_values_i16_4` takes (its 32-bit sums stay exact below 256),
+/// and the pairs of 16-bit weights of each head it keeps.
+constexpr Index decode_i16_max_cols = 64;
+constexpr std::size_t decode_i16_pairs = std::size_t(decode_i16_max_cols / 2 + 1);
+
+/// One pass of `decode_values_i16_4` over `Groups` groups of 32 output columns: pairs of value rows
+/// (j, j + 1) interleaved byte by byte (`vpunpcklbw` / `vpunpckhbw` within each 128-bit lane),
+/// widened to 16 bits, and multiplied by each head's pair of 16-bit probabilities by `vpdpwssd`.
+/// A group's two accumulators hold its columns in the order the unpacking leaves them (lo: 0-7
+/// and 16-23, hi: 8-15 and 24-31); `_mm512_shuffle_f32x4` restores it at the end, where
+/// o_h = alpha_h o_h + scale_h sum.
+template <int Groups>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void decode_values_i16_pass(
+    const std::int32_t (&p32)[4][decode_i16_pairs], const float* scale, const float* alpha,
+    const std::int8_t* V_tile, Index v_stride, Index cols, float* o, Index o_stride,
+    const PrefetchRows& ahead) {
+  __m512i acc[4][std::size_t(2 * Groups)];
+  for (auto& head : acc)
+    for (__m512i& a : head) a = _mm512_setzero_si512();
+  for (Index j = 0; j < cols; j += 2) {
+    const std::int8_t* a = V_tile + j * v_stride;
+    const std::int8_t* b = j + 1 < cols ? a + v_stride : a;  // an odd last row pairs with itself
+    ahead.row(j);
+    ahead.row(j + 1);
+    for (int g = 0; g < Groups; ++g) {
+      const __m256i ra = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * g));
+      const __m256i rb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * g));
+      const __m512i lo = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(ra, rb));
+      const __m512i hi = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(ra, rb));
+      for (int h = 0; h < 4; ++h) {
+        acc[h][2 * g] = add_products_i16(acc[h][2 * g], lo, &p32[h][j / 2]);
+        acc[h][2 * g + 1] = add_products_i16(acc[h][2 * g + 1], hi, &p32[h][j / 2]);
+      }
+    }
+  }
+  for (int h = 0; h < 4; ++h) {
+    const __m512 a = _mm512_set1_ps(alpha[h]);
+    const __m512 f = _mm512_set1_ps(scale[h]);
+    float* o_h = o + h * o_stride;
+    for (int g = 0; g < Groups; ++g) {
+      const __m512 lo = _mm512_cvtepi32_ps(acc[h][2 * g]);
+      const __m512 hi = _mm512_cvtepi32_ps(acc[h][2 * g + 1]);
+      const __m512 first = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m512 second = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));
+      float* out = o_h + 32 * g;
+      _mm512_storeu_ps(out, _mm512_fmadd_ps(f, first, _mm512_mul_ps(a, _mm512_loadu_ps(out))));
+      _mm512_storeu_ps(out + 16,
+                       _mm512_fmadd_ps(f, second, _mm512_mul_ps(a, _mm512_loadu_ps(out + 16))));
+    }
+  }
+}
+
+/// The mask of the first min(count, 16) lanes of a packet of 16.
+inline __mmask16 first_lanes(Index count) {
+  return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+}
+
+/// `decode_values` for 4 query heads over int8 value rows, by `vpdpwssd`: each head's weights of
+/// the tile (p(h, j), already times the rows' scales) rounded to 16 bits with one scale per head
+/// and tile (max_j p(h, j) / 32767, to nearest), the value rows widened from 8 to 16 bits, the
+/// products of two rows at a time summed in 32-bit integers, turned to float once per tile. A
+/// lane sums at most `decode_i16_max_cols` products of at most 32767 x 127: exact. Each weight is
+/// off by at most half its head's step (max_j p(h, j) / 65534), so an output entry by at most
+/// cols x max |V| / 65534 over the softmax's sum (tests/kv_storage_test.cpp holds the bound).
+/// Returns false, having written nothing, when a weight is not finite (a NaN or an infinite
+/// scale among the rows; the float path then carries it, keeping the NaN rule). Shape contract:
+/// cols <= `decode_i16_max_cols`, d_v a multiple of 32. Called only when `int8_arithmetic()`.
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool decode_values_i16_4(
+    const float* p, Index p_stride, const float* alpha, const std::int8_t* V_tile, Index v_stride,
+    Index cols, Index d_v, float* o, Index o_stride, const PrefetchRows& ahead) {
+  ATTN_ASSERT(cols <= decode_i16_max_cols && d_v % 32 == 0);
+  const __m512 finite_max = _mm512_set1_ps(std::numeric_limits<float>::max());
+  float largest[4];
+  for (int h = 0; h < 4; ++h) {
+    __m512 m = _mm512_setzero_ps();
+    for (Index j = 0; j < cols; j += 16) {
+      const __mmask16 lanes = first_lanes(cols - j);
+      const __m512 x = _mm512_maskz_loadu_ps(lanes, p + h * p_stride + j);
+      if (_mm512_cmp_ps_mask(x, finite_max, _CMP_NLE_UQ) != 0) return false;  // NaN or inf
+      m = _mm512_max_ps(m, x);
+    }
+    largest[h] = _mm512_reduce_max_ps(m);
+  }
+  // Weights j and j + 1 of head h in the two halves of p32[h][j / 2] (an odd tile's last pair
+  // has 0 in its upper half).
+  std::int32_t p32[4][decode_i16_pairs] = {};
+  float scale[4];
+  for (int h = 0; h < 4; ++h) {
+    scale[h] = largest[h] / 32767.0f;
+    const __m512 inverse = _mm512_set1_ps(largest[h] > 0.0f ? 32767.0f / largest[h] : 0.0f);
+    for (Index j = 0; j < cols; j += 16) {
+      const __mmask16 lanes = first_lanes(cols - j);
+      const __m512 x = _mm512_maskz_loadu_ps(lanes, p + h * p_stride + j);
+      _mm512_mask_cvtsepi32_storeu_epi16(&p32[h][j / 2], lanes,
+                                         _mm512_cvtps_epi32(_mm512_mul_ps(x, inverse)));
+    }
+  }
+  Index c0 = 0;
+  for (; c0 + 64 <= d_v; c0 += 64) {
+    decode_values_i16_pass<2>(p32, scale, alpha, V_tile + c0, v_stride, cols, o + c0, o_stride,
+                              c0 == 0 ? ahead : PrefetchRows{});
+  }
+  if (c0 < d_v) {
+    decode_values_i16_pass<1>(p32, scale, alpha, V_tile + c0, v_stride, cols, o + c0, o_stride,
+                              c0 == 0 ? ahead : PrefetchRows{});
+  }
+  return true;
 }
 ATTN_INTRINSICS_END
 #endif
@@ -449,6 +585,14 @@ void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index col
   //    between the passes over the columns).
   const T* alpha = scratch.alpha.data() + h0;
   T* o = state.o.data() + h0 * state.o.outerStride();
+#if defined(ATTN_X86_TARGETS)
+  if constexpr (G == 4 && std::is_same_v<T, float> && std::is_same_v<VCodec, Int8Codec>) {
+    if (scratch.i16_values && decode_values_i16_4(s, s_stride, alpha, V_tile, V.outerStride(), cols,
+                                                  d_v, o, state.o.outerStride(), keys_ahead)) {
+      return;
+    }
+  }
+#endif
   Index c0 = 0;
   for (; c0 + chunk * lanes <= d_v; c0 += chunk * lanes) {
     decode_values<T, VCodec, chunk>(heads, s, s_stride, alpha, V_tile + c0, V.outerStride(), cols,
@@ -512,6 +656,10 @@ void decode_blocks(ConstRef<T> q, const KBlock& K, const VBlock& V, const ScoreR
         }
       }
     }
+  }
+  scratch.i16_values = false;
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<codec_of_t<VBlock, T>, Int8Codec>) {
+    scratch.i16_values = V.cols() % 32 == 0 && g >= 4 && int8_arithmetic();
   }
   scratch.state.start(g, V.cols(), rule.sink);
   scratch.alpha.resize(g);
