@@ -676,7 +676,10 @@ TEST(FlashBFloat16Arithmetic, EachPathThisMachineSupports) {
 /// 301 tokens (a last tile of 45 keys, odd). Says which paths ran on this machine.
 TEST(KVStorageInt8Arithmetic, EachPathThisMachineSupports) {
   bool dispatched = false;
-  for (const Index d : {Index(128), Index(96)}) {
+  // d = 128: the scores summed in 32-bit integers and the values in passes of 64 columns; 96: a
+  // pass of 32 after them; 544: wider than `decode_i16_exact_width`, the scores' lanes summed in
+  // float.
+  for (const Index d : {Index(128), Index(96), Index(544)}) {
     SCOPED_TRACE("d = " + std::to_string(d));
     constexpr Index n = 301;
     const KVCacheConfig<float> config = two_kv_heads(d, KVStorage::Int8);
@@ -737,6 +740,36 @@ TEST(KVStorageInt8Arithmetic, EachPathThisMachineSupports) {
               dispatched ? ", int8 keys and values by 16-bit integers (vpdpwssd)" : "");
   RecordProperty("int8_path_ran", dispatched ? "yes" : "no");
   EXPECT_EQ(dispatched, attn::int8_arithmetic_available());
+}
+
+// The largest scores the int8 path can meet: every query entry rounded to 32767 and every key
+// entry stored as 127. At d = 512 the score's 32-bit integer sum (512 x 32767 x 127) is just
+// below 2^31; at 544 it would wrap, and the lanes must be summed in float instead.
+TEST(KVStorageInt8Arithmetic, LargestScoresDoNotWrap) {
+  for (const Index d : {Index(512), Index(544)}) {
+    SCOPED_TRACE("d = " + std::to_string(d));
+    KVCache<float> cache(two_kv_heads(d, KVStorage::Int8));
+    // Keys of 1 then 0.5 (both stored as 127, with scales 1/127 and 0.5/127); values +1 then -1.
+    Matrix<float> K(2, 2 * d), V(2, 2 * d);
+    K.row(0).setConstant(1.0f);
+    K.row(1).setConstant(0.5f);
+    V.row(0).setConstant(1.0f);
+    V.row(1).setConstant(-1.0f);
+    // 4 copies of each: 8 keys, all of them in the 4 x 4 score blocks (a key after the last block
+    // would take the float path, and its correct score would hide the others').
+    for (int i = 0; i < 4; ++i) cache.append(K, V);
+    const Matrix<float> Q = Matrix<float>::Ones(1, 8 * d);
+    attn::set_int8_arithmetic(true);
+    const Matrix<float> chosen = cache.attend(Q);
+    attn::set_int8_arithmetic(false);
+    // Scores sqrt(d) and sqrt(d) / 2: the first key's weight is 1 / (1 + exp(-sqrt(d) / 2)).
+    const double w = 1.0 / (1.0 + std::exp(-std::sqrt(double(d)) / 2.0));
+    const double want = w - (1.0 - w);
+    // The weights' 16 bits: off by at most n max |V| / (65534 sum) < 8 / 65534 (a wrapped sum
+    // would make the second key's score the larger, and the output about -1).
+    EXPECT_NEAR(chosen.minCoeff(), want, 8.0 / 65534.0);
+    EXPECT_NEAR(chosen.maxCoeff(), want, 8.0 / 65534.0);
+  }
 }
 
 TEST(KVStorageCache, ViewsOfTRowsNeedSameStorage) {

@@ -156,30 +156,42 @@ EIGEN_STRONG_INLINE void decode_scores(std::index_sequence<h...>, const T* q, In
 
 #if defined(ATTN_X86_TARGETS)
 ATTN_INTRINSICS_BEGIN
+/// x + y, lane by lane: in float, or (`Integer`) in the 32-bit integers whose bits the packets hold.
+template <bool Integer>
+__attribute__((target("avx512f"))) EIGEN_STRONG_INLINE __m512 add_lanes(__m512 x, __m512 y) {
+  if constexpr (Integer) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_castps_si512(y)));
+  } else {
+    return _mm512_add_ps(x, y);
+  }
+}
+
 /// The sums of the 16 lanes of each of a[0..15], as one packet: lane i holds sum(a[i]). A tree of
 /// 45 shuffles and adds instead of 16 separate horizontal sums (about 8 dependent steps each):
 /// pairs of packets are interleaved and added four times, each time halving the packets while
-/// each lane gathers the partial sums of one input.
+/// each lane gathers the partial sums of one input. `Integer`: the packets hold the bits of 32-bit
+/// integers, summed as such (the shuffles move bits, whatever they mean).
+template <bool Integer = false>
 __attribute__((target("avx512f"))) inline __m512 sum_lanes16(const __m512 (&a)[16]) {
   __m512 b[8];  // per 128-bit lane: [a0_0+a0_2, a1_0+a1_2, a0_1+a0_3, a1_1+a1_3] of each pair
   for (int i = 0; i < 8; ++i) {
-    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    b[i] = add_lanes<Integer>(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                              _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
   }
   __m512 c[4];  // per 128-bit lane: the sums over that lane of a[4i .. 4i + 3]
   for (int i = 0; i < 4; ++i) {
     const __m512d lo = _mm512_castps_pd(b[2 * i]);
     const __m512d hi = _mm512_castps_pd(b[2 * i + 1]);
-    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+    c[i] = add_lanes<Integer>(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)),
+                              _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
   }
   // Across the 128-bit lanes: [X01, X23, Y01, Y23] from X = c[0], Y = c[1]; then [X, Y, Z, W].
-  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 d0 = add_lanes<Integer>(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 d1 = add_lanes<Integer>(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return add_lanes<Integer>(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 /// Stores a 4 x 4 block of scores (lane 4 h + k: head h, key k) as 4 floats in each of 4 rows.
@@ -252,15 +264,24 @@ add_products_i16(__m512i acc, __m512i a, const std::int32_t* pair) {
 #endif
 }
 
+/// The widest d_k whose int8 scores `decode_scores_i16_4x4` sums wholly in 32-bit integers: the
+/// d_k products of a score, each at most 32767 x 127 in magnitude, stay below 2^31 up to 516.
+/// Against turning each lane to float and summing in float (the 212 GFLOP/s machine, one thread,
+/// 32 over 8 heads, d = 128, the builds alternated as whole processes, 6 rounds, minimum of each
+/// build's): 0.96x the step's time at 1k tokens, 0.98x at 4k, 0.95x at 16k.
+constexpr Index decode_i16_exact_width = 512;
+
 /// Scores of 4 query heads against keys [0, cols - cols % 4) stored in int8, by `vpdpwssd`
 /// (AVX512_VNNI on AVX512BW's 16-bit lanes: 32 products of 16-bit integers per instruction, summed
 /// in pairs into 16 32-bit lanes): each key row widened from 8 to 16 bits, the queries given in 16
 /// bits (`q` rows of d_k) with one scale per head (`q_scale`); the 16 lane sums of each (head, key)
-/// pair are turned to float and summed by `sum_lanes16`, then multiplied by the head's and the
+/// pair are summed by `sum_lanes16` and turned to float, then multiplied by the head's and the
 /// key's scales. A lane sums d_k / 16 products of at most 32767 x 127 in magnitude: exact in 32
-/// bits for d_k <= 8192. Compiled for its own target whatever the build's flags (intrinsics only),
-/// called only when `int8_arithmetic()`. Shape contract: d_k a multiple of 32, at most 8192.
-/// Returns the number of keys done.
+/// bits for d_k <= 8192. Up to `decode_i16_exact_width` the 16 lanes are summed in 32-bit
+/// integers too (exact; one rounding to float per score), beyond it each lane is turned to float
+/// first and summed in float. Compiled for its own target whatever the build's flags (intrinsics
+/// only), called only when `int8_arithmetic()`. Shape contract: d_k a multiple of 32, at most
+/// 8192. Returns the number of keys done.
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline Index decode_scores_i16_4x4(
     const std::int16_t* q, Index q_stride, const float* q_scale, const std::int8_t* K_tile,
     const float* k_scales, Index k_stride, Index cols, Index d_k, float* s, Index s_stride,
@@ -270,6 +291,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline Index decode_score
       _mm512_set_ps(q_scale[3], q_scale[3], q_scale[3], q_scale[3], q_scale[2], q_scale[2],
                     q_scale[2], q_scale[2], q_scale[1], q_scale[1], q_scale[1], q_scale[1],
                     q_scale[0], q_scale[0], q_scale[0], q_scale[0]);
+  const bool exact_sums = d_k <= decode_i16_exact_width;
   Index j = 0;
   for (; j + 4 <= cols; j += 4) {
     const std::int8_t* k = K_tile + j * k_stride;
@@ -288,8 +310,15 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline Index decode_score
       }
     }
     __m512 sums_in[16];
-    for (int i = 0; i < 16; ++i) sums_in[i] = _mm512_cvtepi32_ps(acc[i]);
-    __m512 sums = _mm512_mul_ps(sum_lanes16(sums_in), head_scales);
+    __m512 sums;
+    if (exact_sums) {
+      for (int i = 0; i < 16; ++i) sums_in[i] = _mm512_castsi512_ps(acc[i]);
+      sums = _mm512_cvtepi32_ps(_mm512_castps_si512(sum_lanes16<true>(sums_in)));
+    } else {
+      for (int i = 0; i < 16; ++i) sums_in[i] = _mm512_cvtepi32_ps(acc[i]);
+      sums = sum_lanes16(sums_in);
+    }
+    sums = _mm512_mul_ps(sums, head_scales);
     sums = _mm512_mul_ps(sums, _mm512_broadcast_f32x4(_mm_loadu_ps(k_scales + j)));
     store_scores_4x4(sums, s + j, s_stride);
   }
@@ -302,35 +331,47 @@ constexpr Index decode_i16_max_cols = 64;
 constexpr std::size_t decode_i16_pairs = std::size_t(decode_i16_max_cols / 2 + 1);
 
 /// One pass of `decode_values_i16_4` over `Groups` groups of 32 output columns: pairs of value rows
-/// (j, j + 1) interleaved byte by byte (`vpunpcklbw` / `vpunpckhbw` within each 128-bit lane),
-/// widened to 16 bits, and multiplied by each head's pair of 16-bit probabilities by `vpdpwssd`.
-/// A group's two accumulators hold its columns in the order the unpacking leaves them (lo: 0-7
-/// and 16-23, hi: 8-15 and 24-31); `_mm512_shuffle_f32x4` restores it at the end, where
-/// o_h = alpha_h o_h + scale_h sum.
+/// (j, j + 1) widened to 16 bits (`vpmovsxbw`) and interleaved word by word (`vpunpcklwd` /
+/// `vpunpckhwd` within each 128-bit lane), and multiplied by each head's pair of 16-bit
+/// probabilities by `vpdpwssd`. A group's two accumulators hold its columns in the order the
+/// unpacking leaves them (lo: 0-3, 8-11, 16-19, 24-27; hi: 4-7, 12-15, 20-23, 28-31); a two-source
+/// permutation restores it at the end, where o_h = alpha_h o_h + scale_h sum. (Interleaving the
+/// rows byte by byte before widening them took 1.14-1.19x the time of this, as many shuffles but
+/// on 256-bit halves: a tile of 64 rows, d_v = 128, in the first-level cache, the 212 GFLOP/s
+/// machine.)
 template <int Groups>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void decode_values_i16_pass(
-    const std::int32_t (&p32)[4][decode_i16_pairs], const float* scale, const float* alpha,
+    const std::int32_t (&p32)[4 * decode_i16_pairs], const float* scale, const float* alpha,
     const std::int8_t* V_tile, Index v_stride, Index cols, float* o, Index o_stride,
     const PrefetchRows& ahead) {
   __m512i acc[4][std::size_t(2 * Groups)];
   for (auto& head : acc)
     for (__m512i& a : head) a = _mm512_setzero_si512();
-  for (Index j = 0; j < cols; j += 2) {
+  constexpr Index head_step = Index(decode_i16_pairs);  // from one head's weights to the next's
+  const std::int32_t* pair = p32;                       // the weights of rows j and j + 1
+  for (Index j = 0; j < cols; j += 2, ++pair) {
     const std::int8_t* a = V_tile + j * v_stride;
     const std::int8_t* b = j + 1 < cols ? a + v_stride : a;  // an odd last row pairs with itself
     ahead.row(j);
     ahead.row(j + 1);
     for (int g = 0; g < Groups; ++g) {
-      const __m256i ra = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * g));
-      const __m256i rb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * g));
-      const __m512i lo = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(ra, rb));
-      const __m512i hi = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(ra, rb));
+      const __m512i wa =
+          _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * g)));
+      const __m512i wb =
+          _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * g)));
+      const __m512i lo = _mm512_unpacklo_epi16(wa, wb);
+      const __m512i hi = _mm512_unpackhi_epi16(wa, wb);
       for (int h = 0; h < 4; ++h) {
-        acc[h][2 * g] = add_products_i16(acc[h][2 * g], lo, &p32[h][j / 2]);
-        acc[h][2 * g + 1] = add_products_i16(acc[h][2 * g + 1], hi, &p32[h][j / 2]);
+        acc[h][2 * g] = add_products_i16(acc[h][2 * g], lo, pair + h * head_step);
+        acc[h][2 * g + 1] = add_products_i16(acc[h][2 * g + 1], hi, pair + h * head_step);
       }
     }
   }
+  // Columns 0-15 are lo's and hi's first two 128-bit lanes alternately, 16-31 their last two.
+  const __m512i first_half =
+      _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i second_half =
+      _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
   for (int h = 0; h < 4; ++h) {
     const __m512 a = _mm512_set1_ps(alpha[h]);
     const __m512 f = _mm512_set1_ps(scale[h]);
@@ -338,8 +379,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void decode_values
     for (int g = 0; g < Groups; ++g) {
       const __m512 lo = _mm512_cvtepi32_ps(acc[h][2 * g]);
       const __m512 hi = _mm512_cvtepi32_ps(acc[h][2 * g + 1]);
-      const __m512 first = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));
-      const __m512 second = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));
+      const __m512 first = _mm512_permutex2var_ps(lo, first_half, hi);
+      const __m512 second = _mm512_permutex2var_ps(lo, second_half, hi);
       float* out = o_h + 32 * g;
       _mm512_storeu_ps(out, _mm512_fmadd_ps(f, first, _mm512_mul_ps(a, _mm512_loadu_ps(out))));
       _mm512_storeu_ps(out + 16,
@@ -379,9 +420,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool decode_values
     }
     largest[h] = _mm512_reduce_max_ps(m);
   }
-  // Weights j and j + 1 of head h in the two halves of p32[h][j / 2] (an odd tile's last pair
-  // has 0 in its upper half).
-  std::int32_t p32[4][decode_i16_pairs] = {};
+  // Weights j and j + 1 of head h in the two halves of p32[h pairs + j / 2] (an odd tile's last
+  // pair has 0 in its upper half).
+  constexpr Index pairs = Index(decode_i16_pairs);
+  std::int32_t p32[4 * decode_i16_pairs] = {};
   float scale[4];
   for (int h = 0; h < 4; ++h) {
     scale[h] = largest[h] / 32767.0f;
@@ -389,7 +431,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool decode_values
     for (Index j = 0; j < cols; j += 16) {
       const __mmask16 lanes = first_lanes(cols - j);
       const __m512 x = _mm512_maskz_loadu_ps(lanes, p + h * p_stride + j);
-      _mm512_mask_cvtsepi32_storeu_epi16(&p32[h][j / 2], lanes,
+      _mm512_mask_cvtsepi32_storeu_epi16(&p32[h * pairs + j / 2], lanes,
                                          _mm512_cvtps_epi32(_mm512_mul_ps(x, inverse)));
     }
   }
