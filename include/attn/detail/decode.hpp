@@ -326,9 +326,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline Index decode_score
 }
 
 /// The largest decoding tile `decode_values_i16_4` takes (its 32-bit sums stay exact below 256),
-/// and the pairs of 16-bit weights of each head it keeps.
+/// and the pairs of 16-bit weights of each head it keeps (also the step from one head's weights
+/// to the next's).
 constexpr Index decode_i16_max_cols = 64;
-constexpr std::size_t decode_i16_pairs = std::size_t(decode_i16_max_cols / 2 + 1);
+constexpr Index decode_i16_pairs = decode_i16_max_cols / 2 + 1;
 
 /// One pass of `decode_values_i16_4` over `Groups` groups of 32 output columns: pairs of value rows
 /// (j, j + 1) widened to 16 bits (`vpmovsxbw`) and interleaved word by word (`vpunpcklwd` /
@@ -347,8 +348,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void decode_values
   __m512i acc[4][std::size_t(2 * Groups)];
   for (auto& head : acc)
     for (__m512i& a : head) a = _mm512_setzero_si512();
-  constexpr Index head_step = Index(decode_i16_pairs);  // from one head's weights to the next's
-  const std::int32_t* pair = p32;                       // the weights of rows j and j + 1
+  const std::int32_t* pair = p32;  // the weights of rows j and j + 1
   for (Index j = 0; j < cols; j += 2, ++pair) {
     const std::int8_t* a = V_tile + j * v_stride;
     const std::int8_t* b = j + 1 < cols ? a + v_stride : a;  // an odd last row pairs with itself
@@ -362,8 +362,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void decode_values
       const __m512i lo = _mm512_unpacklo_epi16(wa, wb);
       const __m512i hi = _mm512_unpackhi_epi16(wa, wb);
       for (int h = 0; h < 4; ++h) {
-        acc[h][2 * g] = add_products_i16(acc[h][2 * g], lo, pair + h * head_step);
-        acc[h][2 * g + 1] = add_products_i16(acc[h][2 * g + 1], hi, pair + h * head_step);
+        acc[h][2 * g] = add_products_i16(acc[h][2 * g], lo, pair + h * decode_i16_pairs);
+        acc[h][2 * g + 1] = add_products_i16(acc[h][2 * g + 1], hi, pair + h * decode_i16_pairs);
       }
     }
   }
@@ -420,9 +420,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool decode_values
     }
     largest[h] = _mm512_reduce_max_ps(m);
   }
-  // Weights j and j + 1 of head h in the two halves of p32[h pairs + j / 2] (an odd tile's last
-  // pair has 0 in its upper half).
-  constexpr Index pairs = Index(decode_i16_pairs);
+  // Weights j and j + 1 of head h in the two halves of p32[h decode_i16_pairs + j / 2] (an odd
+  // tile's last pair has 0 in its upper half).
   std::int32_t p32[4 * decode_i16_pairs] = {};
   float scale[4];
   for (int h = 0; h < 4; ++h) {
@@ -431,7 +430,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool decode_values
     for (Index j = 0; j < cols; j += 16) {
       const __mmask16 lanes = first_lanes(cols - j);
       const __m512 x = _mm512_maskz_loadu_ps(lanes, p + h * p_stride + j);
-      _mm512_mask_cvtsepi32_storeu_epi16(&p32[h * pairs + j / 2], lanes,
+      _mm512_mask_cvtsepi32_storeu_epi16(&p32[h * decode_i16_pairs + j / 2], lanes,
                                          _mm512_cvtps_epi32(_mm512_mul_ps(x, inverse)));
     }
   }
