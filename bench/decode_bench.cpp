@@ -12,6 +12,8 @@
 // prints each format's speed-up over the float step and its fraction of the bandwidth.
 // BM_decode_naive is the plain-loop baseline (scores, softmax, weighted sum per query head). Both
 // write into an output allocated before the timing (`attend`'s caller-storage overload).
+// BM_decode_step and BM_decode_int8_arithmetic also run over a short cache of 128 tokens, where
+// the cost of a step outside its tiles shows.
 
 #include <algorithm>
 #include <cmath>
@@ -158,6 +160,13 @@ void cache_lengths(benchmark::internal::Benchmark* b) {
   b->Unit(benchmark::kMicrosecond)->UseRealTime();
 }
 
+/// A short cache (the first steps after a short prompt), where what a step costs besides its
+/// tiles (the queries' preparation, the threads) shows.
+void short_cache(benchmark::internal::Benchmark* b) {
+  b->Arg(128)->ArgNames({"tokens"});
+  b->Unit(benchmark::kMicrosecond)->UseRealTime();
+}
+
 }  // namespace
 
 BENCHMARK(BM_stream_sum)->Unit(benchmark::kMillisecond)->UseRealTime();
@@ -169,6 +178,8 @@ BENCHMARK(BM_decode_stored)
     ->UseRealTime();
 BENCHMARK(BM_decode_bf16_arithmetic)->Apply(cache_lengths);
 BENCHMARK(BM_decode_int8_arithmetic)->Apply(cache_lengths);
+BENCHMARK(BM_decode_step)->Apply(short_cache);
+BENCHMARK(BM_decode_int8_arithmetic)->Apply(short_cache);
 BENCHMARK(BM_decode_naive)
     ->Arg(1024)
     ->Arg(16384)

@@ -698,6 +698,11 @@ TEST(KVStorageInt8Arithmetic, EachPathThisMachineSupports) {
     Matrix<float> Q_nan = Q;
     Q_nan(0, 5) = std::numeric_limits<float>::quiet_NaN();
     const Matrix<float> with_nan_query = cache.attend(Q_nan);
+    // (Also with every key in the 4 x 4 blocks: 301 keys leave one key per step to the float
+    // path, whose score alone would carry the NaN.)
+    KVCache<float> blocks_cache(config);
+    blocks_cache.append(K.topRows(256), V.topRows(256));
+    const Matrix<float> blocks_with_nan_query = blocks_cache.attend(Q_nan);
     // ... and a value row that is not finite (its int8 scale NaN) the float path for the values.
     V(200, 7) = std::numeric_limits<float>::quiet_NaN();
     KVCache<float> nan_cache(config);
@@ -706,6 +711,8 @@ TEST(KVStorageInt8Arithmetic, EachPathThisMachineSupports) {
     attn::set_int8_arithmetic(false);
     EXPECT_TRUE(with_nan_query.leftCols(d).array().isNaN().all()) << "head 0 saw the NaN";
     EXPECT_TRUE(with_nan_query.rightCols(7 * d).array().isFinite().all());
+    EXPECT_TRUE(blocks_with_nan_query.leftCols(d).array().isNaN().all()) << "head 0, 256 keys";
+    EXPECT_TRUE(blocks_with_nan_query.rightCols(7 * d).array().isFinite().all());
     EXPECT_TRUE(with_nan_value.leftCols(4 * d).array().isNaN().all()) << "group 0 saw the NaN";
     EXPECT_TRUE(with_nan_value.rightCols(4 * d).array().isFinite().all());
     if (!dispatched) {
