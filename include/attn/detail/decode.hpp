@@ -678,28 +678,29 @@ void decode_blocks(ConstRef<T> q, const KBlock& K, const VBlock& V, const ScoreR
   }
   scratch.i16_scores = false;
   if constexpr (std::is_same_v<T, float> && std::is_same_v<codec_of_t<KBlock, T>, Int8Codec>) {
-    scratch.i16_scores = K.cols() % 32 == 0 && K.cols() <= 8192 && g >= 4 && int8_arithmetic();
-    if (scratch.i16_scores) {
-      // Each query head's largest magnitude, NaN if the head has one (vectorised: a check of every
-      // entry by `allFinite` was about 1.2 us of an 11 us step over 64 tokens, one thread).
-      // Queries that are not all finite take the float path, which keeps the NaN rule.
-      Vector<T>& largest = scratch.q_i16_scale;  // the heads' scales, below, from these
-      largest.resize(g);
+    if (K.cols() % 32 == 0 && K.cols() <= 8192 && g >= 4 && int8_arithmetic()) {
+      // Each query head's largest magnitude, NaN if the head has one (`largest_magnitude`,
+      // vectorised: a check of every entry by `allFinite` was about 1.2 us of an 11 us step over
+      // 64 tokens, one thread). Queries that are not all finite take the float path, which keeps
+      // the NaN rule.
+      Vector<T>& scales = scratch.q_i16_scale;
+      scales.resize(g);
       for (Index h = 0; h < g; ++h) {
-        largest(h) = scratch.q_scaled.row(h).cwiseAbs().template maxCoeff<Eigen::PropagateNaN>();
+        scales(h) = largest_magnitude(scratch.q_scaled.row(h).data(), K.cols());
       }
-      scratch.i16_scores = largest.allFinite();
-    }
-    if (scratch.i16_scores) {
-      // Each query head in 16 bits with its own scale, to nearest (`rint`, ties to even); every
-      // key sees the rounded queries, also the few the float path does (a tile's last cols % 4).
-      scratch.q_i16.resize(g, K.cols());
-      for (Index h = 0; h < g; ++h) {
-        const T scale = scratch.q_i16_scale(h) > T(0) ? scratch.q_i16_scale(h) / T(32767) : T(1);
-        scratch.q_i16_scale(h) = scale;
-        const auto rounded = (scratch.q_scaled.row(h).array() / scale).rint();
-        scratch.q_i16.row(h) = rounded.template cast<std::int16_t>();
-        scratch.q_scaled.row(h).array() = rounded * scale;
+      scratch.i16_scores = scales.allFinite();
+      if (scratch.i16_scores) {
+        // Each query head in 16 bits with its own scale (largest / 32767), to nearest (`rint`,
+        // ties to even); every key sees the rounded queries, also the few the float path does (a
+        // tile's last cols % 4).
+        scratch.q_i16.resize(g, K.cols());
+        for (Index h = 0; h < g; ++h) {
+          const T scale = scales(h) > T(0) ? scales(h) / T(32767) : T(1);
+          scales(h) = scale;
+          const auto rounded = (scratch.q_scaled.row(h).array() / scale).rint();
+          scratch.q_i16.row(h) = rounded.template cast<std::int16_t>();
+          scratch.q_scaled.row(h).array() = rounded * scale;
+        }
       }
     }
   }

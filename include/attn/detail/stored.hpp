@@ -122,15 +122,20 @@ template <class T>
 void narrow_row(BFloat16Codec, const T* x, Index cols, Eigen::bfloat16* out, T*) {
   for (Index c = 0; c < cols; ++c) out[c] = Eigen::bfloat16(static_cast<float>(x[c]));
 }
+
+/// The largest |x_c| of a row of `cols` entries (0 for none), NaN if the row holds one: a NaN or
+/// an infinity must reach an int8 scale (std::max would drop a NaN). Vectorised by Eigen.
+template <class T>
+T largest_magnitude(const T* x, Index cols) {
+  if (cols == 0) return T(0);
+  return Eigen::Map<const RowVector<T>>(x, cols)
+      .cwiseAbs()
+      .template maxCoeff<Eigen::PropagateNaN>();
+}
+
 template <class T>
 void narrow_row(Int8Codec, const T* x, Index cols, std::int8_t* out, T* scale) {
-  using std::abs;
-  T largest = T(0);
-  for (Index c = 0; c < cols; ++c) {
-    // NaN and inf must reach the scale (std::max would drop a NaN).
-    const T a = abs(x[c]);
-    largest = (a > largest || a != a) ? a : largest;
-  }
+  const T largest = largest_magnitude(x, cols);
   if (!(largest < std::numeric_limits<T>::infinity())) {  // NaN or inf in the row
     *scale = largest;
     std::fill(out, out + cols, std::int8_t(1));
@@ -138,10 +143,10 @@ void narrow_row(Int8Codec, const T* x, Index cols, std::int8_t* out, T* scale) {
   }
   *scale = largest / T(127);
   const T inverse = largest > T(0) ? T(127) / largest : T(0);
-  for (Index c = 0; c < cols; ++c) {
-    const T q = std::nearbyint(x[c] * inverse);
-    out[c] = static_cast<std::int8_t>(std::clamp(q, T(-127), T(127)));
-  }
+  // To nearest, ties to even (`rint`, as std::nearbyint), in one vectorised expression.
+  const auto rounded = (Eigen::Map<const RowVector<T>>(x, cols) * inverse).array().rint();
+  Eigen::Map<Eigen::Matrix<std::int8_t, 1, Eigen::Dynamic>>(out, cols) =
+      rounded.cwiseMax(T(-127)).cwiseMin(T(127)).template cast<std::int8_t>().matrix();
 }
 
 /// Rows stored by `Codec`: row j at data() + j outerStride(), and for Int8 its scale at
