@@ -9,9 +9,9 @@ Runs build/bench/attn_decode_bench: BM_stream_sum (what the machine streams at a
 cache length (1k, 4k, 16k tokens; 32 query heads over 8 key/value heads, d = 128) BM_decode_step
 (float storage), BM_decode_stored for each reduced format, BM_decode_bf16_arithmetic
 (bfloat16 keys, scores by vdpbf16ps where the CPU has AVX512_BF16) and BM_decode_int8_arithmetic
-(int8 keys and values, scores and values by vpdpwssd where the CPU has AVX512_VNNI), in one
-process, --repetitions rounds (each case >= --min-time seconds per round), so that every ratio
-compares neighbours in time.
+(int8 keys and values, scores by vpdpbusd and values by vpdpwssd where the CPU has AVX512_VNNI),
+in one process, --repetitions rounds (each case >= --min-time seconds per round), so that every
+ratio compares neighbours in time.
 Prints a markdown table: each format's median time, its speed-up over the float step (the median
 of the rounds' ratios), the bytes it streams (`KVCache::bytes()`), and its bandwidth as a fraction
 of BM_stream_sum's. Targets (at 16k tokens): float16 and bfloat16 at least 1.8x the float step,
@@ -29,7 +29,7 @@ from bench_common import (Rounds, compiler_and_flags, machine_line,  # noqa: E40
                           markdown_table, require_binary, rounds_arguments, verdict)
 
 FORMATS = [(0, "float (Same)"), (1, "Float16"), (2, "BFloat16"), (3, "Int8"),
-           (4, "BFloat16, vdpbf16ps"), (5, "Int8, vpdpwssd")]
+           (4, "BFloat16, vdpbf16ps"), (5, "Int8, VNNI")]
 TARGET_SPEEDUP = {1: 1.8, 2: 1.8, 3: 3.0, 4: 1.8, 5: 3.0}
 TARGET_BANDWIDTH = 0.8
 TARGET_TOKENS = 16384
@@ -40,7 +40,7 @@ def case_name(tokens, storage):
         return "BM_decode_step/tokens:%d" % tokens
     if storage == 4:  # bfloat16 keys with bfloat16 arithmetic (where the CPU has AVX512_BF16)
         return "BM_decode_bf16_arithmetic/tokens:%d" % tokens
-    if storage == 5:  # int8 keys with 16-bit integer arithmetic (where the CPU has AVX512_VNNI)
+    if storage == 5:  # int8 keys with integer arithmetic (where the CPU has AVX512_VNNI)
         return "BM_decode_int8_arithmetic/tokens:%d" % tokens
     return "BM_decode_stored/tokens:%d/storage:%d" % (tokens, storage)
 
@@ -91,7 +91,7 @@ def main():
     print("\n".join(markdown_table(header, rows, right=range(len(header) - 1))))
     print()
     for storage, counter, label in ((4, "vdpbf16ps", "BFloat16, vdpbf16ps"),
-                                    (5, "vpdpwssd", "Int8, vpdpwssd")):
+                                    (5, "vnni", "Int8, VNNI")):
         ran = median(case_name(TARGET_TOKENS, storage), counter)
         print("%s %s on this machine (the row '%s' is otherwise the float path)"
               % (counter, "ran" if ran else "did not run", label))

@@ -87,11 +87,11 @@ void BM_decode_bf16_arithmetic(benchmark::State& state) {
 }
 
 /// BM_decode_stored with int8 keys and values and integer arithmetic (`attn::set_int8_arithmetic`:
-/// the scores and the values by AVX512_VNNI's vpdpwssd where the CPU has it; the counter says
-/// whether it ran).
+/// the scores by AVX512_VNNI's vpdpbusd and the values by its vpdpwssd where the CPU has it; the
+/// counter says whether it ran).
 void BM_decode_int8_arithmetic(benchmark::State& state) {
   attn::set_int8_arithmetic(true);
-  state.counters["vpdpwssd"] = attn::int8_arithmetic() ? 1 : 0;
+  state.counters["vnni"] = attn::int8_arithmetic() ? 1 : 0;
   time_steps(state, filled_cache(state.range(0), attn::KVStorage::Int8));
   attn::set_int8_arithmetic(false);
 }

@@ -35,7 +35,7 @@ const std::vector<Format>& formats() {
       {"BFloat16", attn::KVStorage::BFloat16, false, false},
       {"Int8", attn::KVStorage::Int8, false, false},
       {"BFloat16+vdpbf16ps", attn::KVStorage::BFloat16, true, false},
-      {"Int8+vpdpwssd", attn::KVStorage::Int8, false, true},
+      {"Int8+VNNI", attn::KVStorage::Int8, false, true},
   };
   return all;
 }

@@ -203,7 +203,7 @@ inline bool bfloat16_arithmetic() {
   return detail::bfloat16_arithmetic_flag().load() && bfloat16_arithmetic_available();
 }
 
-/// Whether this CPU runs AVX512_VNNI's `vpdpwssd` on AVX512BW's 16-bit lanes (on x86 with GCC or
+/// Whether this CPU runs AVX512_VNNI (`vpdpbusd`, `vpdpwssd`) with AVX512BW (on x86 with GCC or
 /// Clang, from `__builtin_cpu_supports`; false elsewhere). Asked once.
 inline bool int8_arithmetic_available() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -227,12 +227,13 @@ inline std::atomic<bool>& int8_arithmetic_flag() {
 
 /// Opt in (or out) of integer arithmetic for int8 keys and values, for the whole program (off by
 /// default). When on and `int8_arithmetic_available()`, a decoding step over a cache kept in
-/// `KVStorage::Int8` (4 query heads per key/value head, float) computes with `vpdpwssd` (16-bit
-/// products summed in 32-bit integers) its scores (d_k a multiple of 32 up to 8192: the scaled
-/// queries rounded to 16 bits first, one scale per query head, max |q| / 32767) and its weighted
-/// sum of the values (d_v a multiple of 32: each tile's weights rounded to 16 bits, one scale per
-/// query head and tile of 64 keys, max p / 32767), so the output carries those roundings too
-/// (tests/kv_storage_test.cpp bounds them); elsewhere, or when off, the float path runs.
+/// `KVStorage::Int8` (4 query heads per key/value head, float) computes in integers, summed
+/// exactly in 32 bits: its scores by `vpdpbusd` (d_k a multiple of 32 up to 8192: the scaled
+/// queries rounded to 8 bits first like the keys, one scale per query head, max |q| / 127) and its
+/// weighted sum of the values by `vpdpwssd` (d_v a multiple of 32: each tile's weights rounded to
+/// 16 bits, one scale per query head and tile of 64 keys, max p / 32767), so the output carries
+/// those roundings too (tests/kv_storage_test.cpp bounds them; the README's accuracy table);
+/// elsewhere, or when off, the float path runs.
 inline void set_int8_arithmetic(bool enabled) { detail::int8_arithmetic_flag() = enabled; }
 
 /// Whether the int8 path runs: asked for (`set_int8_arithmetic`) and available.

@@ -29,9 +29,10 @@ struct DecodeScratch {
   Matrix<T> k_wide, v_wide;  ///< a stored tile widened to T (widths that are not whole packets)
   Matrix<Eigen::bfloat16> q_bf16;  ///< the scaled queries in bfloat16 (the bfloat16 score path)
   bool bf16_scores = false;        ///< this step's bfloat16 keys go through `vdpbf16ps`
-  Matrix<std::int16_t> q_i16;      ///< the scaled queries in 16 bits (the int8 score path) ...
-  Vector<T> q_i16_scale;           ///< ... and their scales, one per query head
-  bool i16_scores = false;         ///< this step's int8 keys go through `vpdpwssd`
+  Matrix<std::int8_t> q_i8;        ///< the scaled queries in 8 bits (the int8 score path) ...
+  Vector<T> q_i8_scale;            ///< ... their scales, one per query head ...
+  Vector<std::int32_t> q_i8_bias;  ///< ... and 128 times the sum of each head's entries
+  bool i8_scores = false;          ///< this step's int8 keys go through `vpdpbusd`
   bool i16_values = false;         ///< this step's int8 values go through `vpdpwssd`
 };
 
@@ -238,22 +239,25 @@ __attribute__((target("avx512f,avx512bf16"))) inline Index decode_scores_bf16_4x
   return j;
 }
 
-/// acc += the products of a's and b's 16-bit lanes, summed in pairs into acc's 32-bit lanes
-/// (`vpdpwssd`). With GCC an `asm` of the one instruction: GCC 12 compiles the intrinsic with a copy
-/// of the accumulator into another register and back around every instruction (3 instructions for
-/// 1, and stack spills beyond 16 accumulators; counted in the 4 x 4 score loop below with objdump).
+/// acc += the products of a's unsigned and b's signed 8-bit lanes, summed in fours into acc's
+/// 32-bit lanes (AVX512_VNNI's `vpdpbusd`, no saturation). With GCC an `asm` of the one
+/// instruction, like `add_products_i16` below (GCC 12 wraps the intrinsic in register copies).
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) EIGEN_STRONG_INLINE __m512i
-add_products_i16(__m512i acc, __m512i a, __m512i b) {
+add_products_u8(__m512i acc, __m512i a, __m512i b) {
 #if defined(__GNUC__) && !defined(__clang__)
-  asm("vpdpwssd {%2, %1, %0|%0, %1, %2}" : "+v"(acc) : "v"(a), "v"(b));
+  asm("vpdpbusd {%2, %1, %0|%0, %1, %2}" : "+v"(acc) : "v"(a), "v"(b));
   return acc;
 #else
-  return _mm512_dpwssd_epi32(acc, a, b);
+  return _mm512_dpbusd_epi32(acc, a, b);
 #endif
 }
 
-/// `add_products_i16` with b the 32 bits at `pair` in every lane (a broadcast from memory, which
-/// leaves the registers to the accumulators).
+/// acc += the products of a's 16-bit lanes and the two 16-bit integers at `pair` (broadcast to
+/// every lane from memory, which leaves the registers to the accumulators), summed in pairs into
+/// acc's 32-bit lanes (`vpdpwssd`). With GCC an `asm` of the one instruction: GCC 12 compiles the
+/// intrinsic with a copy of the accumulator into another register and back around every
+/// instruction (3 instructions for 1, and stack spills beyond 16 accumulators; counted in a 4 x 4
+/// score loop with objdump).
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) EIGEN_STRONG_INLINE __m512i
 add_products_i16(__m512i acc, __m512i a, const std::int32_t* pair) {
 #if defined(__GNUC__) && !defined(__clang__)
@@ -264,60 +268,67 @@ add_products_i16(__m512i acc, __m512i a, const std::int32_t* pair) {
 #endif
 }
 
-/// The widest d_k whose int8 scores `decode_scores_i16_4x4` sums wholly in 32-bit integers: the
-/// d_k products of a score, each at most 32767 x 127 in magnitude, stay below 2^31 up to 516.
-/// Against turning each lane to float and summing in float (the 212 GFLOP/s machine, one thread,
-/// 32 over 8 heads, d = 128, the builds alternated as whole processes, 6 rounds, minimum of each
-/// build's): 0.96x the step's time at 1k tokens, 0.98x at 4k, 0.95x at 16k.
-constexpr Index decode_i16_exact_width = 512;
-
-/// Scores of 4 query heads against keys [0, cols - cols % 4) stored in int8, by `vpdpwssd`
-/// (AVX512_VNNI on AVX512BW's 16-bit lanes: 32 products of 16-bit integers per instruction, summed
-/// in pairs into 16 32-bit lanes): each key row widened from 8 to 16 bits, the queries given in 16
-/// bits (`q` rows of d_k) with one scale per head (`q_scale`); the 16 lane sums of each (head, key)
-/// pair are summed by `sum_lanes16` and turned to float, then multiplied by the head's and the
-/// key's scales. A lane sums d_k / 16 products of at most 32767 x 127 in magnitude: exact in 32
-/// bits for d_k <= 8192. Up to `decode_i16_exact_width` the 16 lanes are summed in 32-bit
-/// integers too (exact; one rounding to float per score), beyond it each lane is turned to float
-/// first and summed in float. Compiled for its own target whatever the build's flags (intrinsics
-/// only), called only when `int8_arithmetic()`. Shape contract: d_k a multiple of 32, at most
-/// 8192. Returns the number of keys done.
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline Index decode_scores_i16_4x4(
-    const std::int16_t* q, Index q_stride, const float* q_scale, const std::int8_t* K_tile,
-    const float* k_scales, Index k_stride, Index cols, Index d_k, float* s, Index s_stride,
-    const PrefetchRows& ahead) {
-  // Lane 4 h + k of a block's sums belongs to head h: its scale.
+/// Scores of 4 query heads against keys [0, cols - cols % 4) stored in int8, by `vpdpbusd`
+/// (AVX512_VNNI: 64 products of an unsigned and a signed byte per instruction, summed in fours
+/// into 16 32-bit lanes): the queries are given in 8 bits (`q` rows of d_k in [-127, 127]) with
+/// one scale per head (`q_scale`), and each key byte k is read as the unsigned k + 128 (its top
+/// bit flipped), so a lane sums (k + 128) q; `q_bias` (128 times the sum of each head's entries)
+/// takes the 128 q back off. The 16 lane sums of each (head, key) pair are added by `sum_lanes16`
+/// in 32-bit integers, exact: a score's d_k products are each at most 255 x 127 in magnitude,
+/// below 2^31 in all up to d_k = 66311. The result is turned to float once and multiplied by the
+/// head's and the key's scales. Against the queries in 16 bits by `vpdpwssd` before it (32
+/// products per instruction, each key row widened to 16 bits first; the 212 GFLOP/s machine, one
+/// thread, 32 over 8 heads, d = 128): 0.63x the kernel's time over 64 keys in the first-level
+/// cache, 0.91x the step's at 1k, 4k and 16k tokens (the builds as whole processes in turn, 4
+/// rounds, the minimum of each's). The price is the queries' rounding to 8 bits, about as large
+/// as the keys' own (the README's accuracy table: 1.7e-2 against 1.5e-2 for the float arithmetic
+/// over the same cache). Compiled for its own target whatever the build's flags (intrinsics only),
+/// called only when `int8_arithmetic()`. Shape contract: d_k a multiple of 32 (a last 32 bytes
+/// are read masked), at most 8192. Returns the number of keys done.
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline Index decode_scores_i8_4x4(
+    const std::int8_t* q, Index q_stride, const float* q_scale, const std::int32_t* q_bias,
+    const std::int8_t* K_tile, const float* k_scales, Index k_stride, Index cols, Index d_k,
+    float* s, Index s_stride, const PrefetchRows& ahead) {
+  // Lane 4 h + k of a block's sums belongs to head h: its scale and bias.
   const __m512 head_scales =
       _mm512_set_ps(q_scale[3], q_scale[3], q_scale[3], q_scale[3], q_scale[2], q_scale[2],
                     q_scale[2], q_scale[2], q_scale[1], q_scale[1], q_scale[1], q_scale[1],
                     q_scale[0], q_scale[0], q_scale[0], q_scale[0]);
-  const bool exact_sums = d_k <= decode_i16_exact_width;
+  const __m512i head_biases = _mm512_set_epi32(
+      q_bias[3], q_bias[3], q_bias[3], q_bias[3], q_bias[2], q_bias[2], q_bias[2], q_bias[2],
+      q_bias[1], q_bias[1], q_bias[1], q_bias[1], q_bias[0], q_bias[0], q_bias[0], q_bias[0]);
+  const __m512i top_bits = _mm512_set1_epi8(std::int8_t(-128));
+  const Index whole = d_k - d_k % 64;  // columns read 64 at a time; then 32 masked, if any
+  const __mmask64 last_32 = 0xffffffffULL;
   Index j = 0;
   for (; j + 4 <= cols; j += 4) {
     const std::int8_t* k = K_tile + j * k_stride;
     ahead.block(j);
     __m512i acc[16];
     for (__m512i& a : acc) a = _mm512_setzero_si512();
-    for (Index c = 0; c < d_k; c += 32) {
+    for (Index c = 0; c < d_k; c += 64) {
       __m512i qh[4];
-      for (int h = 0; h < 4; ++h) qh[h] = _mm512_loadu_si512(q + h * q_stride + c);
+      __m512i kv[4];
+      if (c < whole) {
+        for (int h = 0; h < 4; ++h) qh[h] = _mm512_loadu_si512(q + h * q_stride + c);
+        for (int key = 0; key < 4; ++key) kv[key] = _mm512_loadu_si512(k + key * k_stride + c);
+      } else {  // the masked-off bytes: queries 0, so whatever the keys read, no product
+        for (int h = 0; h < 4; ++h) qh[h] = _mm512_maskz_loadu_epi8(last_32, q + h * q_stride + c);
+        for (int key = 0; key < 4; ++key) {
+          kv[key] = _mm512_maskz_loadu_epi8(last_32, k + key * k_stride + c);
+        }
+      }
       for (int key = 0; key < 4; ++key) {
-        const __m512i kv = _mm512_cvtepi8_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + key * k_stride + c)));
+        const __m512i unsigned_key = _mm512_xor_si512(kv[key], top_bits);
         for (int h = 0; h < 4; ++h) {
-          acc[4 * h + key] = add_products_i16(acc[4 * h + key], qh[h], kv);
+          acc[4 * h + key] = add_products_u8(acc[4 * h + key], unsigned_key, qh[h]);
         }
       }
     }
     __m512 sums_in[16];
-    __m512 sums;
-    if (exact_sums) {
-      for (int i = 0; i < 16; ++i) sums_in[i] = _mm512_castsi512_ps(acc[i]);
-      sums = _mm512_cvtepi32_ps(_mm512_castps_si512(sum_lanes16<true>(sums_in)));
-    } else {
-      for (int i = 0; i < 16; ++i) sums_in[i] = _mm512_cvtepi32_ps(acc[i]);
-      sums = sum_lanes16(sums_in);
-    }
+    for (int i = 0; i < 16; ++i) sums_in[i] = _mm512_castsi512_ps(acc[i]);
+    const __m512i biased = _mm512_castps_si512(sum_lanes16<true>(sums_in));
+    __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(biased, head_biases));
     sums = _mm512_mul_ps(sums, head_scales);
     sums = _mm512_mul_ps(sums, _mm512_broadcast_f32x4(_mm_loadu_ps(k_scales + j)));
     store_scores_4x4(sums, s + j, s_stride);
@@ -586,11 +597,11 @@ void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index col
     }
   }
   if constexpr (G == 4 && std::is_same_v<T, float> && std::is_same_v<KCodec, Int8Codec>) {
-    if (scratch.i16_scores) {
-      done = decode_scores_i16_4x4(scratch.q_i16.data() + h0 * scratch.q_i16.outerStride(),
-                                   scratch.q_i16.outerStride(), scratch.q_i16_scale.data() + h0,
-                                   K_tile, scales, K.outerStride(), cols, d_k, s, s_stride,
-                                   values_ahead);
+    if (scratch.i8_scores) {
+      done = decode_scores_i8_4x4(scratch.q_i8.data() + h0 * scratch.q_i8.outerStride(),
+                                  scratch.q_i8.outerStride(), scratch.q_i8_scale.data() + h0,
+                                  scratch.q_i8_bias.data() + h0, K_tile, scales, K.outerStride(),
+                                  cols, d_k, s, s_stride, values_ahead);
     }
   }
 #endif
@@ -676,29 +687,31 @@ void decode_blocks(ConstRef<T> q, const KBlock& K, const VBlock& V, const ScoreR
       scratch.q_scaled = scratch.q_bf16.template cast<T>();
     }
   }
-  scratch.i16_scores = false;
+  scratch.i8_scores = false;
   if constexpr (std::is_same_v<T, float> && std::is_same_v<codec_of_t<KBlock, T>, Int8Codec>) {
     if (K.cols() % 32 == 0 && K.cols() <= 8192 && g >= 4 && int8_arithmetic()) {
       // Each query head's largest magnitude, NaN if the head has one (`largest_magnitude`,
       // vectorised: a check of every entry by `allFinite` was about 1.2 us of an 11 us step over
       // 64 tokens, one thread). Queries that are not all finite take the float path, which keeps
       // the NaN rule.
-      Vector<T>& scales = scratch.q_i16_scale;
+      Vector<T>& scales = scratch.q_i8_scale;
       scales.resize(g);
       for (Index h = 0; h < g; ++h) {
         scales(h) = largest_magnitude(scratch.q_scaled.row(h).data(), K.cols());
       }
-      scratch.i16_scores = scales.allFinite();
-      if (scratch.i16_scores) {
-        // Each query head in 16 bits with its own scale (largest / 32767), to nearest (`rint`,
-        // ties to even); every key sees the rounded queries, also the few the float path does (a
-        // tile's last cols % 4).
-        scratch.q_i16.resize(g, K.cols());
+      scratch.i8_scores = scales.allFinite();
+      if (scratch.i8_scores) {
+        // Each query head in 8 bits with its own scale (largest / 127), to nearest (`rint`, ties
+        // to even), as the keys are stored; every key sees the rounded queries, also the few the
+        // float path does (a tile's last cols % 4).
+        scratch.q_i8.resize(g, K.cols());
+        scratch.q_i8_bias.resize(g);
         for (Index h = 0; h < g; ++h) {
-          const T scale = scales(h) > T(0) ? scales(h) / T(32767) : T(1);
+          const T scale = scales(h) > T(0) ? scales(h) / T(127) : T(1);
           scales(h) = scale;
           const auto rounded = (scratch.q_scaled.row(h).array() / scale).rint();
-          scratch.q_i16.row(h) = rounded.template cast<std::int16_t>();
+          scratch.q_i8.row(h) = rounded.template cast<std::int8_t>();
+          scratch.q_i8_bias(h) = 128 * scratch.q_i8.row(h).template cast<std::int32_t>().sum();
           scratch.q_scaled.row(h).array() = rounded * scale;
         }
       }
