@@ -808,6 +808,33 @@ TEST(KVStorageInt8Arithmetic, LargestScoresDoNotWrap) {
   }
 }
 
+// Queries so small that their 8-bit scale (largest / 127) is subnormal: rounded there, it can
+// make largest / scale pass 127 (2e-43 / 127 rounds to 1.4e-45, and 2e-43 / 1.4e-45 is 143),
+// which does not fit in 8 bits (a float-to-integer conversion out of range: undefined). The
+// rounded queries are clamped to [-127, 127], so the step stays the float path's: scores of about
+// 0, the mean of the values. (Caught without the clamp by clang's
+// -fsanitize=float-cast-overflow, which CI's sanitizer build does not run.)
+TEST(KVStorageInt8Arithmetic, SubnormalQueriesStayIn8Bits) {
+  constexpr Index d = 128;
+  KVCache<float> cache(two_kv_heads(d, KVStorage::Int8));
+  std::mt19937 rng(5);
+  const Matrix<float> K = attn_test::random_matrix<float>(64, 2 * d, rng);
+  cache.append(K, K.colwise().reverse());  // values: the keys, last token first
+  // Scaled by 1 / sqrt(d): every entry of head 0 +-2e-43 (subnormal), the other heads' 1e-42.
+  Matrix<float> Q = Matrix<float>::Constant(1, 8 * d, 1e-42f * std::sqrt(float(d)));
+  for (Index c = 0; c < d; c += 2) Q(0, c) = -2e-43f * std::sqrt(float(d));
+  for (Index c = 1; c < d; c += 2) Q(0, c) = 2e-43f * std::sqrt(float(d));
+  attn::set_int8_arithmetic(false);
+  const Matrix<float> portable = cache.attend(Q);
+  attn::set_int8_arithmetic(true);
+  const Matrix<float> chosen = cache.attend(Q);
+  attn::set_int8_arithmetic(false);
+  EXPECT_TRUE(chosen.array().isFinite().all());
+  EXPECT_TRUE(attn_test::near(chosen, portable, attn_test::Tol<float>::rel,
+                              attn_test::Tol<float>::abs + 1e-4))
+      << "the weights' 16 bits aside, the same mean of the values";
+}
+
 TEST(KVStorageCache, ViewsOfTRowsNeedSameStorage) {
   attn::KVStore<float> store(attn::KVStoreShape{4, 4, 1, std::nullopt, 0, KVStorage::Int8});
   store.append(Matrix<float>::Ones(2, 4), Matrix<float>::Ones(2, 4));

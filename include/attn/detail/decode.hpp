@@ -703,13 +703,16 @@ void decode_blocks(ConstRef<T> q, const KBlock& K, const VBlock& V, const ScoreR
       if (scratch.i8_scores) {
         // Each query head in 8 bits with its own scale (largest / 127), to nearest (`rint`, ties
         // to even), as the keys are stored; every key sees the rounded queries, also the few the
-        // float path does (a tile's last cols % 4).
+        // float path does (a tile's last cols % 4). Clamped: where largest / 127 is subnormal it
+        // is rounded, and largest / scale can pass 127 (a head whose largest entry is 2e-43
+        // gives 143, which would not fit in 8 bits); where it is 0, the head is all but 0.
         scratch.q_i8.resize(g, K.cols());
         scratch.q_i8_bias.resize(g);
         for (Index h = 0; h < g; ++h) {
-          const T scale = scales(h) > T(0) ? scales(h) / T(127) : T(1);
+          const T scale = scales(h) / T(127) > T(0) ? scales(h) / T(127) : T(1);
           scales(h) = scale;
-          const auto rounded = (scratch.q_scaled.row(h).array() / scale).rint();
+          const auto rounded =
+              (scratch.q_scaled.row(h).array() / scale).rint().cwiseMax(T(-127)).cwiseMin(T(127));
           scratch.q_i8.row(h) = rounded.template cast<std::int8_t>();
           scratch.q_i8_bias(h) = 128 * scratch.q_i8.row(h).template cast<std::int32_t>().sum();
           scratch.q_scaled.row(h).array() = rounded * scale;
