@@ -142,7 +142,11 @@ void narrow_row(Int8Codec, const T* x, Index cols, std::int8_t* out, T* scale) {
     return;
   }
   *scale = largest / T(127);
-  const T inverse = largest > T(0) ? T(127) / largest : T(0);
+  // At most the largest finite T: below about 3.7e-37 (float) 127 / largest is infinite, and a 0
+  // entry times it NaN, which no clamp turns into an integer. Such a row's scale is subnormal or
+  // 0, so it reads back as (about) 0 whatever its bytes.
+  const T inverse =
+      largest > T(0) ? std::min(T(127) / largest, std::numeric_limits<T>::max()) : T(0);
   // To nearest, ties to even (`rint`, as std::nearbyint), in one vectorised expression.
   const auto rounded = (Eigen::Map<const RowVector<T>>(x, cols) * inverse).array().rint();
   Eigen::Map<Eigen::Matrix<std::int8_t, 1, Eigen::Dynamic>>(out, cols) =
