@@ -266,6 +266,42 @@ TEST(Threads, SetNumThreadsIsReported) {
   EXPECT_GE(attn::num_threads(), 1);
 }
 
+#ifdef _OPENMP
+/// What the parallel loop's body sees of OpenMP, per item.
+struct LoopSeen {
+  bool in_team = false;   ///< inside a parallel region, active or not (omp_get_level() > 0)
+  int eigen_threads = 0;  ///< Eigen::nbThreads(): what its GEMM would split over
+};
+
+std::vector<LoopSeen> loop_seen(Index count) {
+  std::vector<LoopSeen> seen(static_cast<std::size_t>(count));
+  attn::detail::parallel_for<int>(count, [&](Index i, int&) {
+    seen[static_cast<std::size_t>(i)] = {omp_get_level() > 0, Eigen::nbThreads()};
+  });
+  return seen;
+}
+
+// One thread runs the loop without entering an OpenMP team (a team even of one thread cost about
+// 4 us per call on the project's machine); Eigen's GEMM stays serial inside the loop either way,
+// and the caller's own OpenMP setting is what it was after the loop.
+TEST(Threads, OneThreadRunsWithoutATeamAndEigenStaysSerial) {
+  const int caller = omp_get_max_threads();
+  for (const int threads : {1, 2}) {
+    SCOPED_TRACE(std::to_string(threads) + " threads");
+    const attn_test::ThreadCount count(threads);
+    for (const Index items : {Index(1), Index(4)}) {
+      SCOPED_TRACE(std::to_string(items) + " items");
+      const bool team = threads > 1 && items > 1;
+      for (const LoopSeen& seen : loop_seen(items)) {
+        EXPECT_EQ(seen.in_team, team);
+        EXPECT_EQ(seen.eigen_threads, 1);
+      }
+      EXPECT_EQ(omp_get_max_threads(), caller);
+    }
+  }
+}
+#endif
+
 TEST(FlashErrors, ChecksShapesOptionsAndTiles) {
   const attn::Matrix<double> Q = attn::Matrix<double>::Ones(4, 3);
   const attn::Matrix<double> K = attn::Matrix<double>::Ones(5, 2);
