@@ -9,6 +9,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "test_support.hpp"
@@ -301,6 +302,30 @@ TEST(Threads, OneThreadRunsWithoutATeamAndEigenStaysSerial) {
   }
 }
 #endif
+
+// A thread's kept scratch is the same object from one borrowing to the next (its buffers stay
+// grown); borrowed again while borrowed (a loop inside a loop) it is a fresh one, and the thread's
+// own is free again once its borrower ends.
+TEST(Threads, KeptScratchIsTheThreadsOwnUnlessAlreadyBorrowed) {
+  using Kept = attn::detail::KeptScratch<attn::Matrix<float>>;
+  const float* grown = nullptr;
+  {
+    Kept first;
+    first.get().resize(3, 5);
+    grown = first.get().data();
+    Kept inner;
+    EXPECT_NE(&inner.get(), &first.get());
+    EXPECT_EQ(inner.get().size(), 0);
+  }
+  Kept again;
+  EXPECT_EQ(again.get().rows(), 3);
+  EXPECT_EQ(again.get().data(), grown);
+  std::thread other([&] {
+    Kept theirs;
+    EXPECT_EQ(theirs.get().size(), 0);
+  });
+  other.join();
+}
 
 TEST(FlashErrors, ChecksShapesOptionsAndTiles) {
   const attn::Matrix<double> Q = attn::Matrix<double>::Ones(4, 3);

@@ -353,6 +353,40 @@ TYPED_TEST(KVCacheTest, VectorisedDecodingEqualsPerHeadAttention) {
   }
 }
 
+// A decoding step keeps each thread's scratch between calls: after a one-thread step the calling
+// thread's kept `DecodeScratch` holds that step's scaled queries (a group's 4 query heads), and a
+// second step finds them where the first left them, writing the same output.
+TEST(KVCacheHotPath, ARepeatedStepReusesTheThreadsScratch) {
+  using T = float;
+  using Kept = attn::detail::KeptScratch<attn::detail::DecodeScratch<T>>;
+  const attn_test::ThreadCount one(1);
+  std::mt19937 rng(12);
+  const Index d = 16;
+  KVCacheConfig<T> config;
+  config.d_k = d;
+  config.d_v = d;
+  config.kv_heads = 2;
+  KVCache<T> cache(config);
+  cache.append(attn_test::random_matrix<T>(100, 2 * d, rng),
+               attn_test::random_matrix<T>(100, 2 * d, rng));
+  const attn::Matrix<T> q = attn_test::random_matrix<T>(1, 8 * d, rng);
+  const attn::AttentionOptions<T> options;
+  attn::Matrix<T> out;
+  cache.attend(q, options, out);
+  const attn::Matrix<T> first = out;
+  const T* queries = nullptr;
+  {
+    Kept kept;
+    ASSERT_EQ(kept.get().q_scaled.rows(), 4);
+    ASSERT_EQ(kept.get().q_scaled.cols(), d);
+    queries = kept.get().q_scaled.data();
+  }
+  cache.attend(q, options, out);
+  Kept kept;
+  EXPECT_EQ(kept.get().q_scaled.data(), queries);
+  EXPECT_TRUE(attn_test::identical(out, first));
+}
+
 TYPED_TEST(KVCacheTest, PerHeadSlopesAndSinksEqualPerHeadAttention) {
   using T = TypeParam;
   std::mt19937 rng(8);

@@ -7,6 +7,7 @@
 /// the thread count: every output row is computed by one thread in a fixed order.
 
 #include <algorithm>
+#include <optional>
 
 #include "types.hpp"
 
@@ -51,6 +52,42 @@ class SerialEigen {
   int before_;
 };
 #endif
+
+/// A `Scratch` the calling thread keeps between calls, as a `parallel_for` scratch: constructing
+/// one borrows the thread's own (grown by its earlier calls, so that a repeated call of the same
+/// shapes allocates nothing), or, while the thread's own is borrowed (a loop inside a loop), owns
+/// a fresh one. For small scratch only (what a thread keeps stays allocated until it ends).
+template <class Scratch>
+class KeptScratch {
+ public:
+  KeptScratch() : borrowed_(!borrowed()) {
+    if (borrowed_) {
+      borrowed() = true;
+    } else {
+      fresh_.emplace();
+    }
+  }
+  ~KeptScratch() {
+    if (borrowed_) borrowed() = false;
+  }
+  KeptScratch(const KeptScratch&) = delete;
+  KeptScratch& operator=(const KeptScratch&) = delete;
+
+  Scratch& get() { return borrowed_ ? kept() : *fresh_; }
+
+ private:
+  static Scratch& kept() {
+    static thread_local Scratch scratch{};
+    return scratch;
+  }
+  static bool& borrowed() {
+    static thread_local bool taken = false;
+    return taken;
+  }
+
+  bool borrowed_;
+  std::optional<Scratch> fresh_;
+};
 
 /// Runs `body(i, scratch)` for i in [0, count), in parallel over `num_threads()` threads when
 /// OpenMP is on, with one default-constructed `Scratch` per thread. Each i runs entirely on one

@@ -143,6 +143,8 @@ struct DecodeParts {
 /// parallel without the sink, then the parts of a group are merged in part order by their
 /// log-sum-exp (`merge_partial`) and the sink is added once (`merge_sink`). So even one group (one
 /// key/value head, one query) uses every thread, and the result does not depend on their number.
+/// Each thread keeps its scratch between calls (`KeptScratch`), and the calling thread the partial
+/// results: a repeated step of the same shapes allocates nothing.
 template <class T, class QGroup, class KGroup, class VGroup, class OGroup>
 void decode_groups(Index groups, const ScoreRule<T>& rule, const QGroup& q, const KGroup& k,
                    const VGroup& v, const OGroup& o) {
@@ -150,9 +152,9 @@ void decode_groups(Index groups, const ScoreRule<T>& rule, const QGroup& q, cons
   const Index m = keys.end - keys.begin;
   const Index parts = std::max<Index>(1, (m + decode_part_keys - 1) / decode_part_keys);
   if (parts == 1) {
-    parallel_for<DecodeScratch<T>>(groups, [&](Index g, DecodeScratch<T>& scratch) {
+    parallel_for<KeptScratch<DecodeScratch<T>>>(groups, [&](Index g, auto& kept) {
       decode_blocks<T>(q(g), kernel_block<T>(k(g).middleRows(keys.begin, m)),
-                       kernel_block<T>(v(g).middleRows(keys.begin, m)), rule, scratch, o(g),
+                       kernel_block<T>(v(g).middleRows(keys.begin, m)), rule, kept.get(), o(g),
                        nullptr);
     });
     return;
@@ -168,7 +170,7 @@ void decode_groups(Index groups, const ScoreRule<T>& rule, const QGroup& q, cons
   }
   ScoreRule<T> part_rule = rule;
   part_rule.sink.reset();
-  parallel_for<DecodeScratch<T>>(groups * parts, [&](Index t, DecodeScratch<T>& scratch) {
+  parallel_for<KeptScratch<DecodeScratch<T>>>(groups * parts, [&](Index t, auto& kept) {
     const Index g = t / parts;
     const Index j0 = keys.begin + (t % parts) * decode_part_keys;
     const Index cols = std::min(decode_part_keys, keys.end - j0);
@@ -176,10 +178,11 @@ void decode_groups(Index groups, const ScoreRule<T>& rule, const QGroup& q, cons
     store.o[i].resize(q(g).rows(), v(g).cols());
     store.lse[i].resize(q(g).rows());
     decode_blocks<T>(q(g), kernel_block<T>(k(g).middleRows(j0, cols)),
-                     kernel_block<T>(v(g).middleRows(j0, cols)), part_rule, scratch, store.o[i],
+                     kernel_block<T>(v(g).middleRows(j0, cols)), part_rule, kept.get(), store.o[i],
                      store.lse[i].data());
   });
-  parallel_for<Vector<T>>(groups, [&](Index g, Vector<T>& lse) {
+  parallel_for<KeptScratch<Vector<T>>>(groups, [&](Index g, auto& kept) {
+    Vector<T>& lse = kept.get();
     const auto first = static_cast<std::size_t>(g * parts);
     Eigen::Ref<Matrix<T>> out = o(g);
     out = store.o[first];
