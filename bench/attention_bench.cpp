@@ -224,7 +224,7 @@ BENCHMARK(BM_ScoresNaive<float>)
     ->ArgNames({"n", "d"})
     ->UseRealTime();
 BENCHMARK(BM_Attention<float>)
-    ->ArgsProduct({{128, 512, 1024, 2048}, {64}, {0, 1}})
+    ->ArgsProduct({{32, 64, 128, 512, 1024, 2048}, {64}, {0, 1}})
     ->ArgNames({"n", "d", "causal"})
     ->UseRealTime();
 BENCHMARK(BM_Attention<double>)
@@ -260,7 +260,7 @@ BENCHMARK(BM_AttentionNaive<float>)
     ->ArgNames({"n", "d", "causal"})
     ->UseRealTime();
 BENCHMARK(BM_Heads<float>)
-    ->ArgsProduct({{512, 2048, 4096}, {64}, {8}, {0, 1}})
+    ->ArgsProduct({{16, 64, 512, 2048, 4096}, {64}, {8}, {0, 1}})
     ->ArgNames({"n", "d", "heads", "causal"})
     ->UseRealTime();
 BENCHMARK(BM_HeadsNaive<float>)

@@ -7,6 +7,7 @@
 
 #include <attn/attn.hpp>
 #include <cmath>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -274,11 +275,17 @@ struct LoopSeen {
   int eigen_threads = 0;  ///< Eigen::nbThreads(): what its GEMM would split over
 };
 
-std::vector<LoopSeen> loop_seen(Index count) {
+/// What the body sees for each item; with `flops`, the loop's work (below `team_flops`: no team).
+std::vector<LoopSeen> loop_seen(Index count, std::optional<double> flops = {}) {
   std::vector<LoopSeen> seen(static_cast<std::size_t>(count));
-  attn::detail::parallel_for<int>(count, [&](Index i, int&) {
+  const auto body = [&](Index i, int&) {
     seen[static_cast<std::size_t>(i)] = {omp_get_level() > 0, Eigen::nbThreads()};
-  });
+  };
+  if (flops) {
+    attn::detail::parallel_for<int>(count, *flops, body);
+  } else {
+    attn::detail::parallel_for<int>(count, body);
+  }
   return seen;
 }
 
@@ -300,6 +307,22 @@ TEST(Threads, OneThreadRunsWithoutATeamAndEigenStaysSerial) {
       EXPECT_EQ(omp_get_max_threads(), caller);
     }
   }
+}
+
+// A loop of little work (below detail::team_flops, 2 MFLOP) runs on the calling thread even when
+// two threads are asked for: a team of two cost more than it saved there.
+TEST(Threads, LittleWorkRunsWithoutATeam) {
+  const int caller = omp_get_max_threads();
+  const attn_test::ThreadCount count(2);
+  for (const LoopSeen& seen : loop_seen(4, 0.5 * attn::detail::team_flops)) {
+    EXPECT_FALSE(seen.in_team);
+    EXPECT_EQ(seen.eigen_threads, 1);
+  }
+  for (const LoopSeen& seen : loop_seen(4, 2 * attn::detail::team_flops)) {
+    EXPECT_TRUE(seen.in_team);
+    EXPECT_EQ(seen.eigen_threads, 1);
+  }
+  EXPECT_EQ(omp_get_max_threads(), caller);
 }
 #endif
 

@@ -277,6 +277,29 @@ void expect_nan_rule_single_head(Index n, Index m, Index d, const std::string& w
              "-inf bias over poisoned keys");
 }
 
+// The path of `scaled_dot_product_attention` by size (`detail::choose_path`): decode for one query;
+// the materialised table up to 32 x 32 scores or with fewer than 16 queries or keys; tiled beyond
+// that, and wherever the table would pass 256 x 256 entries or K and V 1 MiB; materialised
+// whenever the weights are wanted.
+TEST(PathsChoice, TiledFromMoreThan32x32ScoresWithSixteenQueriesAndKeys) {
+  using attn::detail::Path;
+  const auto path = [](Index n, Index m, bool weights = false) {
+    const attn::AttentionOptions<float> options;
+    return attn::detail::choose_path(attn::detail::make_rule(options, n, m, 64), 64, 64, weights);
+  };
+  EXPECT_EQ(path(1, 300), Path::Decode);
+  EXPECT_EQ(path(3, 3), Path::Materialised);
+  EXPECT_EQ(path(32, 32), Path::Materialised);
+  EXPECT_EQ(path(33, 32), Path::Tiled);
+  EXPECT_EQ(path(16, 65), Path::Tiled);
+  EXPECT_EQ(path(128, 128), Path::Tiled);
+  EXPECT_EQ(path(15, 1000), Path::Materialised);
+  EXPECT_EQ(path(300, 8), Path::Materialised);
+  EXPECT_EQ(path(8, 10000), Path::Tiled);  // 80,000 scores
+  EXPECT_EQ(path(4, 2100), Path::Tiled);   // K and V: 2100 x 128 floats, above 1 MiB
+  EXPECT_EQ(path(128, 128, true), Path::Materialised);
+}
+
 TYPED_TEST(Paths, NanRuleMaterialisedTiledAndDecode) {
   using T = TypeParam;
   expect_nan_rule_single_head<T>(12, 20, 8, "materialised size");

@@ -276,7 +276,8 @@ void flash_kernel_on(ConstRef<T> Q, const KBlock& K, const VBlock& V, const Scor
   if (n == 0) return;
   const PackedKeys<T> keys = pack_for_scores<T>(Q, K, V);  // the calling thread's; shared by all
   const Index blocks = (n + tiles.query_rows - 1) / tiles.query_rows;
-  parallel_for<FlashScratch<T>>(blocks, [&](Index b, FlashScratch<T>& scratch) {
+  const double flops = attention_flops(n, K.rows(), K.cols(), V.cols());
+  parallel_for<FlashScratch<T>>(blocks, flops, [&](Index b, FlashScratch<T>& scratch) {
     const Index i0 = (blocks - 1 - b) * tiles.query_rows;
     flash_block<T>(Q, K, V, keys, rule, tiles, i0, std::min(tiles.query_rows, n - i0), scratch, O,
                    lse);

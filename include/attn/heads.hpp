@@ -143,7 +143,8 @@ void heads_kernel(Index heads, Index group, const ScoreRule<T>& shared,
     decode_groups<T>(heads / group, shared, stacked_q, k, v, stacked_o);
     return;
   }
-  parallel_for<PathScratch<T>>(heads, [&](Index h, PathScratch<T>& scratch) {
+  const double flops = double(heads) * attention_flops(shared.n, shared.m, d_k, d_v);
+  parallel_for<PathScratch<T>>(heads, flops, [&](Index h, PathScratch<T>& scratch) {
     const ScoreRule<T> rule = per_head.any() ? head_rule(shared, per_head, h) : shared;
     run_path<T>(choose_path(rule, d_k, d_v, false), q(h), k(h / group), v(h / group), rule, scratch,
                 o(h), lse(h));

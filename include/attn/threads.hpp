@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <utility>
 
 #include "types.hpp"
 
@@ -89,6 +90,17 @@ class KeptScratch {
   std::optional<Scratch> fresh_;
 };
 
+/// Runs `body(i, scratch)` for i in [0, count) on the calling thread, with one default-constructed
+/// `Scratch` and Eigen's GEMM serial (`SerialEigen`), as one thread of `parallel_for` would.
+template <class Scratch, class Body>
+void serial_for(Index count, Body& body) {
+#ifdef _OPENMP
+  const SerialEigen serial;
+#endif
+  Scratch scratch{};
+  for (Index i = 0; i < count; ++i) body(i, scratch);
+}
+
 /// Runs `body(i, scratch)` for i in [0, count), in parallel over `num_threads()` threads when
 /// OpenMP is on, with one default-constructed `Scratch` per thread. Each i runs entirely on one
 /// thread, so a body whose result depends only on i gives the same bits whatever the thread count;
@@ -113,10 +125,31 @@ void parallel_for(Index count, Body&& body) {
     }
     return;
   }
-  const SerialEigen serial;
 #endif
-  Scratch scratch{};
-  for (Index i = 0; i < count; ++i) body(i, scratch);
+  serial_for<Scratch>(count, body);
+}
+
+/// The work below which a loop runs on the calling thread whatever `num_threads()`: 2 MFLOP. On
+/// the project's 212 GFLOP/s machine a team of two took 5-12 us to start and end, and cost more
+/// than it saved below about that much work: two threads took 1.2-2.3x the time of one for a
+/// decoding step over 16-64 tokens (32 query heads over 8, d = 128), `flash_attention` at n = 64
+/// and `attention_heads` of 8 heads at n = 4-16 (d = 64), and 0.56-0.75x from 4 MFLOP up.
+inline constexpr double team_flops = 2e6;
+
+/// The floating-point operations of attention of n queries over m keys: 2 n m (d_k + d_v).
+inline double attention_flops(Index n, Index m, Index d_k, Index d_v) {
+  return 2.0 * double(n) * double(m) * double(d_k + d_v);
+}
+
+/// `parallel_for` for a loop of about `flops` floating-point operations in all: on the calling
+/// thread below `team_flops`, in parallel from there. The bits do not depend on which.
+template <class Scratch, class Body>
+void parallel_for(Index count, double flops, Body&& body) {
+  if (flops < team_flops) {
+    serial_for<Scratch>(count, body);
+    return;
+  }
+  parallel_for<Scratch>(count, std::forward<Body>(body));
 }
 
 }  // namespace detail
