@@ -133,7 +133,8 @@ void parallel_for(Index count, Body&& body) {
 /// the project's 212 GFLOP/s machine a team of two took 5-12 us to start and end, and cost more
 /// than it saved below about that much work: two threads took 1.2-2.3x the time of one for a
 /// decoding step over 16-64 tokens (32 query heads over 8, d = 128), `flash_attention` at n = 64
-/// and `attention_heads` of 8 heads at n = 4-16 (d = 64), and 0.56-0.75x from 4 MFLOP up.
+/// and `attention_heads` of 8 heads at n = 4-16 (d = 64); from 4 MFLOP up 0.56-0.84x, but level
+/// (1.04x) for `flash_attention` at n = 128 (4.2 MFLOP).
 inline constexpr double team_flops = 2e6;
 
 /// The floating-point operations of attention of n queries over m keys: 2 n m (d_k + d_v).
