@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <attn/projection.hpp>
+#include <limits>
 #include <random>
 
 #include "test_support.hpp"
@@ -87,6 +88,47 @@ TYPED_TEST(Projection, ProjectQkvEqualsThreeProjections) {
   EXPECT_TRUE(attn_test::identical(qkv.Q, attn::project(X, W_Q)));
   EXPECT_TRUE(attn_test::identical(qkv.K, attn::project(X, W_K)));
   EXPECT_TRUE(attn_test::identical(qkv.V, attn::project(X, W_V)));
+}
+
+/// `project` reads W's columns in place as the kernel's key panels (rows that start on a packet
+/// and hold whole panels, a short X: `detail::columns_in_place`) or packs them: the same bits
+/// either way, both near the naive product, each route taken where it should be. W in place with
+/// a row stride wider than its columns (a block of a wider matrix) checks the stride.
+TYPED_TEST(Projection, WeightsInPlaceOrPackedGiveTheSameBits) {
+  using T = TypeParam;
+  constexpr Index w = attn::detail::ScoreTile<T>::cols;
+  std::mt19937 rng(34);
+  const attn::Matrix<T> W = attn_test::random_matrix<T>(70, 3 * w, rng);
+  attn::Matrix<T> shifted(70, 3 * w + 1);  // the same W one scalar along: rows off their packets
+  shifted.col(0).setZero();
+  shifted.rightCols(3 * w) = W;
+  attn::Matrix<T> wider = attn::Matrix<T>::Zero(70, 4 * w);  // W with a row stride of 4 w
+  wider.leftCols(3 * w) = W;
+  const auto W_shifted = shifted.rightCols(3 * w);
+  const auto W_wider = wider.leftCols(3 * w);
+  for (const Index n : {1, 7, 13, 40}) {
+    const attn::Matrix<T> X = attn_test::random_matrix<T>(n, 70, rng);
+    ASSERT_TRUE(attn::detail::columns_in_place<T>(W, n));
+    ASSERT_TRUE(attn::detail::columns_in_place<T>(W_wider, n));
+    ASSERT_FALSE(attn::detail::columns_in_place<T>(W_shifted, n));
+    const attn::Matrix<T> in_place = attn::project(X, W);
+    // Each entry is a sum of 70 products in T: within 70 eps (|X| |W|) of the exact product.
+    const LMatrix error =
+        (in_place.template cast<long double>() - attn_test::naive_product(X, W)).cwiseAbs();
+    const LMatrix bound = attn_test::naive_product(X.cwiseAbs(), W.cwiseAbs()) *
+                          (70.0L * std::numeric_limits<T>::epsilon());
+    EXPECT_TRUE((error.array() <= bound.array()).all()) << "n = " << n;
+    EXPECT_TRUE(attn_test::identical(attn::project(X, W_shifted), in_place)) << "n = " << n;
+    EXPECT_TRUE(attn_test::identical(attn::project(X, W_wider), in_place)) << "n = " << n;
+  }
+  // Columns that end inside a panel are packed (zeros past the last column).
+  EXPECT_FALSE(attn::detail::columns_in_place<T>(W.leftCols(3 * w - 1), 1));
+  // The size limit: n times W's bytes at most 512 MiB; a 512 x 512 W of floats (1 MiB) is read in
+  // place for up to 512 rows of X.
+  const attn::Matrix<T> big = attn::Matrix<T>::Zero(512, 512);
+  const Index rows = Index(512 * 4 / sizeof(T));
+  EXPECT_TRUE(attn::detail::columns_in_place<T>(big, rows));
+  EXPECT_FALSE(attn::detail::columns_in_place<T>(big, rows + 1));
 }
 
 TYPED_TEST(Projection, EmptyShapes) {

@@ -6,6 +6,8 @@
 #include <attn/threads.hpp>
 #include <cmath>
 #include <random>
+#include <type_traits>
+#include <vector>
 
 #include "test_support.hpp"
 
@@ -123,13 +125,14 @@ TYPED_TEST(Scores, RectangularAndEmpty) {
 }
 
 /// The register-tiled kernel (detail/score_tiles.hpp) at every edge of its tiles: query rows around
-/// the 12- and 6-row tiles and their 6/3/1-row tails, key columns around one and two packets, d_k
-/// of 1, 3 and 64; Q as a block of a wider matrix (row stride != d_k), K column-major.
+/// the 12- and 6-row tiles and their 8/4/2/1-row tails (4/2/1 for 6), key columns around one and
+/// two packets, d_k of 1, 3 and 64; Q as a block of a wider matrix (row stride != d_k), K
+/// column-major.
 TYPED_TEST(Scores, TileEdgesAgainstNaive) {
   using T = TypeParam;
   std::mt19937 rng(25);
   for (const Index d : {1, 3, 64}) {
-    for (const Index n : {1, 2, 5, 6, 7, 11, 12, 13, 25, 97}) {
+    for (const Index n : {1, 2, 5, 6, 7, 8, 10, 11, 12, 13, 20, 25, 97}) {
       for (const Index m : {1, 3, 4, 7, 8, 9, 15, 16, 17, 31, 32, 33, 65}) {
         const attn::Matrix<T> wide = attn_test::random_matrix<T>(n, d + 5, rng);
         const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor> K =
@@ -144,6 +147,33 @@ TYPED_TEST(Scores, TileEdgesAgainstNaive) {
       }
     }
   }
+}
+
+/// The rows that fill no whole tile take as few tiles of one row as they can (`row_tiles`): of
+/// 12-row tiles, 8 rows are one tile of 8 (the halves 6, 3, 1 made them 6 + 1 + 1), 23 are
+/// 12 + 8 + 2 + 1; of 6-row tiles, 5 rows are 4 + 1. Every row is visited once, in order.
+TEST(RowTiles, TheRestTakesAsFewSmallTilesAsItCan) {
+  const auto heights = [](auto rows_per_tile, Index rows) {
+    std::vector<Index> seen;
+    Index next = 0;
+    attn::detail::row_tiles<decltype(rows_per_tile)::value>(rows, [&](auto tile_rows, Index i) {
+      EXPECT_EQ(i, next);
+      next += Index(tile_rows.size());
+      seen.push_back(Index(tile_rows.size()));
+    });
+    EXPECT_EQ(next, rows);
+    return seen;
+  };
+  using Twelve = std::integral_constant<std::size_t, 12>;
+  using Six = std::integral_constant<std::size_t, 6>;
+  EXPECT_EQ(heights(Twelve{}, 8), (std::vector<Index>{8}));
+  EXPECT_EQ(heights(Twelve{}, 11), (std::vector<Index>{8, 2, 1}));
+  EXPECT_EQ(heights(Twelve{}, 23), (std::vector<Index>{12, 8, 2, 1}));
+  EXPECT_EQ(heights(Twelve{}, 28), (std::vector<Index>{12, 12, 4}));
+  EXPECT_EQ(heights(Twelve{}, 24), (std::vector<Index>{12, 12}));
+  EXPECT_EQ(heights(Twelve{}, 0), (std::vector<Index>{}));
+  EXPECT_EQ(heights(Six{}, 5), (std::vector<Index>{4, 1}));
+  EXPECT_EQ(heights(Six{}, 15), (std::vector<Index>{6, 6, 2, 1}));
 }
 
 /// A table of over 8 MiB is written with streaming stores when its rows are aligned (1536 columns)

@@ -163,7 +163,7 @@ void flash_scores(ConstRef<T> Q, const PackedKeys<T>& keys, T scale, Index i0, I
   }
 #endif
   for (Index jj = 0; jj < cols; jj += w) {
-    score_panel<T>(Q.data() + i0 * Q.outerStride(), Q.outerStride(), rows, keys.panel(j0 + jj),
+    score_panel<T>(Q.data() + i0 * Q.outerStride(), Q.outerStride(), rows, keys.panel(j0 + jj), w,
                    Q.cols(), scale, s + jj, s_stride, w, false);
   }
 }

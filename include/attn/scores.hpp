@@ -29,7 +29,7 @@ template <class T>
 void scores_kernel(ConstRef<T> Q, ConstRef<T> K, T scale, Matrix<T>& S) {
   S.resize(Q.rows(), K.rows());
   if (S.size() == 0) return;
-  score_tiles<T>(Q, pack_keys<T>(K), scale, S);
+  score_tiles<T>(Q, packed_key_panels<T>(pack_keys<T>(K), K.cols()), scale, S);
 }
 
 template <class T>

@@ -124,8 +124,8 @@ void backward_tile(const BackwardInputs<T>& in, const PackedOperands<T>& packed,
       constexpr Index w = ScoreTile<T>::cols;
       for (Index jj = 0; jj < cols; jj += w) {
         score_panel<T>(A.data() + i0 * A.outerStride(), A.outerStride(), rows,
-                       B_packed.panel(j0 + jj), A.cols(), scale, out.data() + jj, out.outerStride(),
-                       w, false);
+                       B_packed.panel(j0 + jj), w, A.cols(), scale, out.data() + jj,
+                       out.outerStride(), w, false);
       }
     } else {
       out.noalias() = (scale * A.middleRows(i0, rows)) * B.middleRows(j0, cols).transpose();

@@ -187,7 +187,7 @@ __attribute__((target("avx512f,avx512bf16"))) inline void bfloat16_value_tile(
 /// O = diag(alpha) O + P V_tile in bfloat16 arithmetic. Shape contract: P rows x 2 pairs
 /// (`round_to_bfloat16` rows, stride p_stride words), V_tile the packed key pairs of the tile
 /// (`pack_bfloat16_values`, d_v words each), O rows x d_v (row stride o_stride), d_v a multiple of
-/// 16. Tiles of 6 rows (then 3, 1) x 4 registers (then what is left of the row).
+/// 16. Tiles of 6 rows (then 4, 2, 1) x 4 registers (then what is left of the row).
 inline void bfloat16_value_tiles(Index rows, Index pairs, Index d_v, const std::uint32_t* P,
                                  Index p_stride, const std::uint32_t* V, const float* alpha,
                                  float* O, Index o_stride) {
@@ -216,7 +216,7 @@ inline void bfloat16_value_tiles(Index rows, Index pairs, Index d_v, const std::
   }
 }
 
-/// One packed panel against `rows` query rows: tiles of 12 rows, then 6, 3 and 1 (`row_tiles`).
+/// One packed panel against `rows` query rows: tiles of 12 rows, then 8, 4, 2 and 1 (`row_tiles`).
 inline void bfloat16_score_panel(const std::uint32_t* q, Index q_stride, Index rows,
                                  const std::uint32_t* panel, Index pairs, float scale, float* s,
                                  Index s_stride) {

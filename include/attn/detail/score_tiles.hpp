@@ -83,14 +83,34 @@ void pack_panels(Index m, Index d, const Key& key, T* packed) {
   }
 }
 
+/// Where the score kernel finds its key panels: the panel of keys [j0, j0 + cols) starts at
+/// `panel(j0)`, and feature c of it (`cols` scalars, aligned to a packet) `stride` scalars after
+/// feature c - 1. Keys packed by `pack_panels` are one block of d x cols per panel (stride cols);
+/// the columns of a row-major W as keys (a product X W, `product_kernel`) are W itself, unpacked:
+/// the panel of columns [j0, j0 + cols) at W + j0, stride W's row stride.
+template <class T>
+struct KeyPanels {
+  const T* data = nullptr;
+  Index step = 0;    ///< scalars from one panel to the next
+  Index stride = 0;  ///< scalars from one feature of a panel to the next
+  const T* panel(Index j0) const { return data + (j0 / ScoreTile<T>::cols) * step; }
+};
+
+/// Panels packed by `pack_panels` for keys of d features.
+template <class T>
+KeyPanels<T> packed_key_panels(const T* packed, Index d) {
+  return {packed, d * ScoreTile<T>::cols, ScoreTile<T>::cols};
+}
+
 /// One register tile: S[r, 0:width) = scale * sum_c Q[r, c] * panel[c, 0:width) for `Rows` query
-/// rows. Shape contract: q points at Q(i, 0) with row stride q_stride; panel is one packed key
-/// panel of d rows; s points at S(i, j0) with row stride s_stride; 0 < width <= cols. Each score is
-/// one accumulator summed over c in order, so its bits do not depend on tiling or threads.
+/// rows. Shape contract: q points at Q(i, 0) with row stride q_stride; panel is one key panel
+/// (`KeyPanels`) of d features, `panel_stride` scalars apart; s points at S(i, j0) with row stride
+/// s_stride; 0 < width <= cols. Each score is one accumulator summed over c in order, so its bits
+/// do not depend on tiling, threads or where the panel lies.
 template <class T, std::size_t... r>
 EIGEN_STRONG_INLINE void score_tile(std::index_sequence<r...>, const T* q, Index q_stride,
-                                    const T* panel, Index d, T scale, T* s, Index s_stride,
-                                    Index width, bool stream) {
+                                    const T* panel, Index panel_stride, Index d, T scale, T* s,
+                                    Index s_stride, Index width, bool stream) {
   using Tile = ScoreTile<T>;
   using Packet = typename Tile::Packet;
   constexpr std::size_t rows = sizeof...(r);
@@ -105,7 +125,7 @@ EIGEN_STRONG_INLINE void score_tile(std::index_sequence<r...>, const T* q, Index
   // 1. Accumulate over the d_k features: `packets` key packets, one broadcast query value per row.
   Packet acc[rows][packets];
   for (std::size_t p = 0; p < packets; ++p) ((acc[r][p] = pset1<Packet>(T(0))), ...);
-  for (Index c = 0; c < d; ++c, panel += Tile::cols) {
+  for (Index c = 0; c < d; ++c, panel += panel_stride) {
     Packet k[packets];
     for (std::size_t p = 0; p < packets; ++p) k[p] = pload<Packet>(panel + Index(p) * lanes);
     const auto row = [&](Packet(&acc_r)[packets], const Packet& q_rc) {
@@ -137,17 +157,29 @@ EIGEN_STRONG_INLINE void score_tile(std::index_sequence<r...>, const T* q, Index
 }
 
 /// Runs `tile(std::make_index_sequence<h>(), i)` down the rows [0, rows): tiles of h = Rows rows
-/// while they fit, then Rows / 2, Rows / 4 and 1 (every register kernel's cascade for the rest).
+/// while they fit, then one each of 2 Rows / 3, Rows / 3, Rows / 6 and 1 row where they fit
+/// (every register kernel's cascade for the rest: 12, 8, 4, 2, 1 or 6, 4, 2, 1). A tile of one
+/// row waits on its few accumulators' latency (about 4x a row's time in a full tile), so the rest
+/// takes as few of them as it can: 8 rows are one tile of 8, where halves (6, 3, 1) made them
+/// 6 + 1 + 1. Measured on the 212 GFLOP/s machine (one thread): the multi-head layer at
+/// (1, 128, 512), whose projections end every block of 96 rows with 8, 0.94x the time.
 template <std::size_t Rows, class Tile>
 EIGEN_STRONG_INLINE void row_tiles(Index rows, const Tile& tile) {
-  static_assert(Rows >= 4, "row_tiles: Rows / 4 must be a tile of at least one row");
+  static_assert(Rows % 6 == 0, "row_tiles: tiles of 6 or 12 rows");
   Index i = 0;
   const auto run = [&](auto tile_rows) {
     for (; i + Index(tile_rows.size()) <= rows; i += Index(tile_rows.size())) tile(tile_rows, i);
   };
+  const auto run_once = [&](auto tile_rows) {
+    if (i + Index(tile_rows.size()) <= rows) {
+      tile(tile_rows, i);
+      i += Index(tile_rows.size());
+    }
+  };
   run(std::make_index_sequence<Rows>());
-  run(std::make_index_sequence<Rows / 2>());
-  run(std::make_index_sequence<Rows / 4>());
+  run_once(std::make_index_sequence<Rows * 2 / 3>());
+  run_once(std::make_index_sequence<Rows / 3>());
+  run_once(std::make_index_sequence<Rows / 6>());
   run(std::make_index_sequence<1>());
 }
 
@@ -155,21 +187,21 @@ EIGEN_STRONG_INLINE void row_tiles(Index rows, const Tile& tile) {
 /// points at the first query row (row stride q_stride), s at its score in the panel's first column
 /// (row stride s_stride); see `score_tile` for the rest.
 template <class T>
-void score_panel(const T* q, Index q_stride, Index rows, const T* panel, Index d, T scale, T* s,
-                 Index s_stride, Index width, bool stream) {
+void score_panel(const T* q, Index q_stride, Index rows, const T* panel, Index panel_stride,
+                 Index d, T scale, T* s, Index s_stride, Index width, bool stream) {
   row_tiles<std::size_t(ScoreTile<T>::rows)>(rows, [&](auto tile_rows, Index i) {
-    score_tile<T>(tile_rows, q + i * q_stride, q_stride, panel, d, scale, s + i * s_stride,
-                  s_stride, width, stream);
+    score_tile<T>(tile_rows, q + i * q_stride, q_stride, panel, panel_stride, d, scale,
+                  s + i * s_stride, s_stride, width, stream);
   });
 }
 
-/// S = scale * Q K^T with K already packed. Shape contract: Q n x d and S n x m, row-major;
-/// `packed` holds ceil(m / cols) panels of d x cols (`pack_panels`).
+/// S = scale * Q K^T with K in panels (`KeyPanels`). Shape contract: Q n x d and S n x m,
+/// row-major; `keys` has ceil(m / cols) panels of d features.
 /// Pass 1 splits the queries into blocks of 8 register tiles, in parallel (`parallel_for`); pass 2,
 /// per block, walks the key panels (one panel stays in L1 while every tile of the block uses it);
-/// pass 3, per panel, runs the register tiles down the block, with 6/3/1-row tiles for the rest.
+/// pass 3, per panel, runs the register tiles down the block, with smaller tiles for the rest.
 template <class T>
-void score_tiles(ConstRef<T> Q, const T* packed, T scale, Eigen::Ref<Matrix<T>> S) {
+void score_tiles(ConstRef<T> Q, const KeyPanels<T>& keys, T scale, Eigen::Ref<Matrix<T>> S) {
   using Tile = ScoreTile<T>;
   constexpr Index rows = Tile::rows;
   constexpr Index cols = Tile::cols;
@@ -190,9 +222,9 @@ void score_tiles(ConstRef<T> Q, const T* packed, T scale, Eigen::Ref<Matrix<T>> 
     const Index i_begin = b * block_rows;
     const Index i_end = std::min(n, i_begin + block_rows);
     for (Index j0 = 0; j0 < m; j0 += cols) {
-      const T* panel = packed + (j0 / cols) * d * cols;
-      score_panel<T>(Q.data() + i_begin * q_stride, q_stride, i_end - i_begin, panel, d, scale,
-                     S.data() + i_begin * s_stride + j0, s_stride, std::min(cols, m - j0), stream);
+      score_panel<T>(Q.data() + i_begin * q_stride, q_stride, i_end - i_begin, keys.panel(j0),
+                     keys.stride, d, scale, S.data() + i_begin * s_stride + j0, s_stride,
+                     std::min(cols, m - j0), stream);
     }
     if (stream) stream_fence();
   });
@@ -245,8 +277,30 @@ void pack_columns(ConstRef<T> W, T* packed) {
   }
 }
 
-/// Y = X W with the same register tiles (W packed by columns, `pack_columns`): `project`,
-/// `project_qkv` and the multi-head layer's projections. Each entry is one sum in feature order.
+/// Whether `product_kernel` reads the columns of W (d x m) in place as its key panels
+/// (`KeyPanels`) for n rows of X, instead of packing them: where W's rows hold whole panels that
+/// start on a packet, and the product is short next to W's size (n times W's bytes at most
+/// `in_place_limit`). There packing W is a good part of the product, while in place every row
+/// block reads W again through the caches, whose sets the rows (2 KiB and more apart) share.
+/// Measured on the 212 GFLOP/s machine (one thread, float, X n x E times W E x E, in place against
+/// packed): 0.70x the time at n = 32, E = 512; 0.81x at 64; 0.88x at 128; 0.93-0.94x at 256 and
+/// 512; 0.88x at n = 128, E = 1024 (all in place under the limit). Beyond it: 0.96x at
+/// n = 1024, E = 512, but 1.01x at n = 2048-16384, E = 512; 1.23-1.32x at n = 256 and 512,
+/// E = 1024; 1.04-1.32x at E = 1536; 1.15x at n = 4096, E = 768.
+template <class T>
+bool columns_in_place(ConstRef<T> W, Index n) {
+  constexpr Index cols = ScoreTile<T>::cols;
+  constexpr double in_place_limit = double(Index(512) << 20);
+  constexpr Index packet_bytes = ScoreTile<T>::lanes * Index(sizeof(T));
+  const double weight_bytes = double(W.rows()) * double(W.outerStride()) * double(sizeof(T));
+  return W.cols() % cols == 0 && reinterpret_cast<std::uintptr_t>(W.data()) % packet_bytes == 0 &&
+         (W.outerStride() * Index(sizeof(T))) % packet_bytes == 0 &&
+         double(n) * weight_bytes <= in_place_limit;
+}
+
+/// Y = X W with the same register tiles: `project`, `project_qkv` and the multi-head layer's
+/// projections. W's columns are the keys: read in place where `columns_in_place`, otherwise packed
+/// (`pack_columns`). Each entry is one sum in feature order, the same bits either way.
 /// Shape contract: X n x d, W d x m, Y n x m (already sized).
 template <class T>
 void product_kernel(ConstRef<T> X, ConstRef<T> W, Eigen::Ref<Matrix<T>> Y) {
@@ -255,9 +309,13 @@ void product_kernel(ConstRef<T> X, ConstRef<T> W, Eigen::Ref<Matrix<T>> Y) {
     Y.setZero();
     return;
   }
+  if (columns_in_place<T>(W, X.rows())) {
+    score_tiles<T>(X, KeyPanels<T>{W.data(), ScoreTile<T>::cols, W.outerStride()}, T(1), Y);
+    return;
+  }
   T* packed = packed_panels<T>(W.cols(), W.rows());
   pack_columns<T>(W, packed);
-  score_tiles<T>(X, packed, T(1), Y);
+  score_tiles<T>(X, packed_key_panels<T>(packed, W.rows()), T(1), Y);
 }
 
 }  // namespace detail
