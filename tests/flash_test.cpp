@@ -322,7 +322,27 @@ TEST(Threads, LittleWorkRunsWithoutATeam) {
     EXPECT_TRUE(seen.in_team);
     EXPECT_EQ(seen.eigen_threads, 1);
   }
+  // Three items: two threads save only a third of the work (the slowest runs two items).
+  for (const LoopSeen& seen : loop_seen(3, 1.4 * attn::detail::team_flops)) {
+    EXPECT_FALSE(seen.in_team);
+  }
+  for (const LoopSeen& seen : loop_seen(3, 1.6 * attn::detail::team_flops)) {
+    EXPECT_TRUE(seen.in_team);
+  }
   EXPECT_EQ(omp_get_max_threads(), caller);
+}
+
+// The work a team takes off the calling thread, items of equal work: half of an even count with
+// two threads, a third of 3 items, 2/5 of 5, none of one item or with one thread.
+TEST(Threads, TeamSavingCountsTheSlowestThreadsItems) {
+  const attn_test::ThreadCount two(2);
+  EXPECT_DOUBLE_EQ(attn::detail::team_saving(4, 12.0), 6.0);
+  EXPECT_DOUBLE_EQ(attn::detail::team_saving(3, 12.0), 4.0);
+  EXPECT_DOUBLE_EQ(attn::detail::team_saving(5, 10.0), 4.0);
+  EXPECT_DOUBLE_EQ(attn::detail::team_saving(1, 12.0), 0.0);
+  EXPECT_DOUBLE_EQ(attn::detail::team_saving(0, 12.0), 0.0);
+  const attn_test::ThreadCount one(1);
+  EXPECT_DOUBLE_EQ(attn::detail::team_saving(4, 12.0), 0.0);
 }
 #endif
 

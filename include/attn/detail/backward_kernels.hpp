@@ -233,15 +233,20 @@ void materialised_backward(const BackwardInputs<T>& in, Matrix<T>& P, Matrix<T>&
   P.resize(n, m);
   dS.resize(n, m);
   T* dbias = grads.dbias.size() ? grads.dbias.data() : nullptr;
-  parallel_for<BackwardScratch<T>>((n + block - 1) / block, [&](Index b, BackwardScratch<T>& s) {
-    const Index i0 = b * block;
-    const Index rows = std::min(block, n - i0);
-    backward_tile<T>(in, PackedOperands<T>{}, i0, rows, 0, m, s, dbias, m);
-    P.middleRows(i0, rows) = s.P.topLeftCorner(rows, m);
-    dS.middleRows(i0, rows) = s.dS.topLeftCorner(rows, m);
-    grads.dQ.middleRows(i0, rows).noalias() = (in.rule.scale * dS.middleRows(i0, rows)) * in.K;
-  });
-  parallel_for<int>((m + block - 1) / block, [&](Index b, int&) {
+  const Index d_k = in.Q.cols();
+  const Index d_v = in.V.cols();
+  // S = Q K^T, dP = dO V^T and dQ = dS K; then dV = P^T dO and dK = dS^T Q.
+  const double rows_flops = 2.0 * double(n) * double(m) * double(2 * d_k + d_v);
+  parallel_for<BackwardScratch<T>>(
+      (n + block - 1) / block, rows_flops, [&](Index b, BackwardScratch<T>& s) {
+        const Index i0 = b * block;
+        const Index rows = std::min(block, n - i0);
+        backward_tile<T>(in, PackedOperands<T>{}, i0, rows, 0, m, s, dbias, m);
+        P.middleRows(i0, rows) = s.P.topLeftCorner(rows, m);
+        dS.middleRows(i0, rows) = s.dS.topLeftCorner(rows, m);
+        grads.dQ.middleRows(i0, rows).noalias() = (in.rule.scale * dS.middleRows(i0, rows)) * in.K;
+      });
+  parallel_for<int>((m + block - 1) / block, attention_flops(n, m, d_k, d_v), [&](Index b, int&) {
     const Index j0 = b * block;
     const Index cols = std::min(block, m - j0);
     grads.dV.middleRows(j0, cols).noalias() = P.middleCols(j0, cols).transpose() * in.dO;
@@ -293,7 +298,9 @@ void tiled_backward(const BackwardInputs<T>& in, const PackedOperands<T>& packed
     const KeyRange range = rule.keys(i0, rows);
     return range.end > j0 && range.begin < j0 + cols && !rule.masked_out(i0, rows, j0, cols);
   };
-  parallel_for<BackwardScratch<T>>(kp.parts, [&](Index part, BackwardScratch<T>& s) {
+  // The five products of the backward: 2 n m (3 d_k + 2 d_v) flops.
+  const double flops = 2.0 * double(n) * double(m) * double(3 * d_k + 2 * d_v);
+  parallel_for<BackwardScratch<T>>(kp.parts, flops, [&](Index part, BackwardScratch<T>& s) {
     const Index first_block = part * kp.per_part;
     const Index last_block = std::min(kp.blocks, first_block + kp.per_part);
     KeyRange& rows_touched = touched[static_cast<std::size_t>(part)];
@@ -338,8 +345,11 @@ void tiled_backward(const BackwardInputs<T>& in, const PackedOperands<T>& packed
       grads.dK.middleRows(j0, cols) *= rule.scale;
     }
   });
+  // The sum of the partial dQ: n d_k additions per part, on the calling thread below `team_flops`
+  // (a team of two for the sum alone made the backward of one part, n = 96-128, 1.1-1.3x slower).
   constexpr Index block = 64;
-  parallel_for<int>((n + block - 1) / block, [&](Index b, int&) {
+  const double sum_flops = double(n) * double(d_k) * double(kp.parts);
+  parallel_for<int>((n + block - 1) / block, sum_flops, [&](Index b, int&) {
     const Index i0 = b * block;
     const Index i1 = std::min(n, i0 + block);
     auto dQ_b = grads.dQ.middleRows(i0, i1 - i0);
