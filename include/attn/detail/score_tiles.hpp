@@ -256,8 +256,9 @@ const T* pack_keys(ConstRef<T> K) {
 /// seldom in the cache: panel by panel, the rows 2 KiB apart defeated the prefetcher), and whole
 /// pieces are copied by a loop of fixed length (no call per piece). Measured on the project's
 /// machine (perf, `BM_MultiHeadForward` at (1, 128, 512), one thread): the layer spent 15% of its
-/// time packing its four 512 x 512 weights piece by piece, panel by panel, and 10% now, most of it
-/// reading the weights from beyond the caches.
+/// time packing its four 512 x 512 weights piece by piece, panel by panel, and 10% with this loop,
+/// most of it reading the weights from beyond the caches (before `columns_in_place` took that
+/// shape's weights unpacked).
 template <class T>
 void pack_columns(ConstRef<T> W, T* packed) {
   constexpr Index cols = ScoreTile<T>::cols;
