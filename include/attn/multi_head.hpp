@@ -597,7 +597,8 @@ class MultiHeadAttention {
 
   /// Y = X W + b over all rows (b empty = no bias), with the register-tiled kernel of `scores`
   /// (`detail::product_kernel`: W read in place or packed once, rows in parallel; each entry is one
-  /// sum in feature order, so the same bits for any thread count). Y is resized (a matrix) or must have the right shape (a map).
+  /// sum in feature order, so the same bits for any thread count). Y is resized (a matrix) or must
+  /// have the right shape (a map).
   template <class Out>
   static void project_into(const detail::ConstRef<T>& X, const Matrix<T>& W, const RowVector<T>& b,
                            Out& Y) {

@@ -101,6 +101,11 @@ void serial_for(Index count, Body& body) {
   for (Index i = 0; i < count; ++i) body(i, scratch);
 }
 
+/// The threads a loop of `count` items runs on: `num_threads()`, at most one per item, at least 1.
+inline Index team_threads(Index count) {
+  return std::clamp<Index>(num_threads(), 1, std::max<Index>(count, 1));
+}
+
 /// Runs `body(i, scratch)` for i in [0, count), in parallel over `num_threads()` threads when
 /// OpenMP is on, with one default-constructed `Scratch` per thread. Each i runs entirely on one
 /// thread, so a body whose result depends only on i gives the same bits whatever the thread count;
@@ -113,8 +118,7 @@ void serial_for(Index count, Body& body) {
 template <class Scratch, class Body>
 void parallel_for(Index count, Body&& body) {
 #ifdef _OPENMP
-  const int threads =
-      static_cast<int>(std::clamp<Index>(num_threads(), 1, std::max<Index>(count, 1)));
+  const int threads = static_cast<int>(team_threads(count));
   if (threads > 1) {
 #pragma omp parallel num_threads(threads)
     {
@@ -147,7 +151,7 @@ inline double attention_flops(Index n, Index m, Index d_k, Index d_v) {
 /// flops (1 - ceil(count / t) / count). Two threads save half of an even count, a third of 3
 /// items, nothing of 1.
 inline double team_saving(Index count, double flops) {
-  const Index threads = std::clamp<Index>(num_threads(), 1, std::max<Index>(count, 1));
+  const Index threads = team_threads(count);
   if (threads <= 1) return 0.0;
   const Index slowest = (count + threads - 1) / threads;
   return flops * (1.0 - double(slowest) / double(count));
