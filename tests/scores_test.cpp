@@ -5,6 +5,7 @@
 #include <attn/scores.hpp>
 #include <attn/threads.hpp>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <type_traits>
 #include <vector>
@@ -145,6 +146,40 @@ TYPED_TEST(Scores, TileEdgesAgainstNaive) {
             attn_test::near_t<T>(S, naive_scores(Q, K_rows, static_cast<long double>(T(0.3)))))
             << "n = " << n << ", m = " << m << ", d_k = " << d;
       }
+    }
+  }
+}
+
+/// The packed key panels (`pack_keys_into`, whole blocks of lanes x lanes transposed in registers)
+/// hold exactly what the panel layout says: panel p, feature c, key jj at p d cols + c cols + jj,
+/// K(p cols + jj, c), zero past the last key. K is a block of a wider matrix (a row stride other
+/// than d, rows not on a packet); d and m on both sides of the SIMD width and of a panel.
+TYPED_TEST(Scores, KeyPanelsHoldTheKeysTransposed) {
+  using T = TypeParam;
+  constexpr Index lanes = attn::detail::Simd<T>::lanes;
+  constexpr Index cols = attn::detail::ScoreTile<T>::cols;
+  std::mt19937 rng(31);
+  for (const Index d : {Index(1), Index(3), lanes - 1, lanes, lanes + 3, Index(64), Index(67)}) {
+    for (const Index m : {Index(1), cols - 1, cols, cols + 1, 2 * cols + 5, Index(97)}) {
+      if (d < 1 || m < 1) continue;
+      const attn::Matrix<T> wide = attn_test::random_matrix<T>(m, d + 7, rng);
+      const auto K = wide.middleCols(3, d);
+      const Index panels = (m + cols - 1) / cols;
+      attn::Vector<T> packed =
+          attn::Vector<T>::Constant(panels * cols * d, std::numeric_limits<T>::quiet_NaN());
+      attn::detail::pack_keys_into<T>(K, packed.data());
+      Index wrong = 0;
+      for (Index p = 0; p < panels; ++p) {
+        for (Index c = 0; c < d; ++c) {
+          for (Index jj = 0; jj < cols; ++jj) {
+            const Index j = p * cols + jj;
+            const T expected = j < m ? K(j, c) : T(0);
+            // Bit equality (a NaN left unwritten fails it too).
+            if (!(packed(p * d * cols + c * cols + jj) == expected)) ++wrong;
+          }
+        }
+      }
+      EXPECT_EQ(wrong, 0) << "d = " << d << ", m = " << m;
     }
   }
 }

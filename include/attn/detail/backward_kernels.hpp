@@ -277,16 +277,19 @@ inline KeyParts key_parts(Index m, Index key_cols) {
 /// every query block whose key range meets it (the others, causal or windowed, are skipped) and
 /// accumulates, in the value kernel's register tiles, dV_j += P^T dO_i, dK_j += dS^T Q_i (both
 /// reading P and dS transposed in place) and its own partial dQ_i += dS K_j. Finally dK *= scale
-/// and dQ = scale sum_p partial_p, in part order. Shape contract as `backward_kernel`; `packed`
-/// holds K and V in panels, key blocks are whole panels.
+/// and dQ = scale sum_p partial_p, in part order. Shape contract as `backward_kernel`;
+/// `packed_K` and `packed_V` have room for K and V in panels (`whole_panels(m) d_k` and
+/// `whole_panels(m) d_v`), which each part fills with its own keys' panels, on the thread that
+/// reads them; key blocks are whole panels.
 template <class T>
-void tiled_backward(const BackwardInputs<T>& in, const PackedOperands<T>& packed,
+void tiled_backward(const BackwardInputs<T>& in, T* packed_K, T* packed_V,
                     const BackwardTiles& tiles, std::vector<Matrix<T>>& partial,
                     AttentionGrads<T>& grads) {
   const Index n = in.Q.rows();
   const Index m = in.K.rows();
   const Index d_k = in.Q.cols();
   const Index d_v = in.V.cols();
+  const PackedOperands<T> packed{{packed_K, d_k}, {packed_V, d_v}};
   const ScoreRule<T>& rule = in.rule;
   const KeyParts kp = key_parts(m, whole_panels<T>(tiles.key_cols));
   partial.resize(static_cast<std::size_t>(kp.parts));
@@ -303,6 +306,14 @@ void tiled_backward(const BackwardInputs<T>& in, const PackedOperands<T>& packed
   parallel_for<BackwardScratch<T>>(kp.parts, flops, [&](Index part, BackwardScratch<T>& s) {
     const Index first_block = part * kp.per_part;
     const Index last_block = std::min(kp.blocks, first_block + kp.per_part);
+    // The part's keys and values into their panels, by the thread that reads them (packed by the
+    // calling thread, they were taken from its cache line by line at every call).
+    const Index end_key = std::min(m, last_block * kp.key_cols);
+    for (Index p = first_block * kp.key_cols / ScoreTile<T>::cols; p < panel_count<T>(end_key);
+         ++p) {
+      pack_panel<T>(in.K, p, packed_K);
+      pack_panel<T>(in.V, p, packed_V);
+    }
     KeyRange& rows_touched = touched[static_cast<std::size_t>(part)];
     for (Index blk = first_block; blk < last_block; ++blk) {
       const Index j0 = blk * kp.key_cols;
@@ -403,14 +414,10 @@ void backward_kernel(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, ConstRef<T> O,
     grads.dK.setZero();
     grads.dV.setZero();
   } else if (path == Path::Tiled) {
-    const auto pack = [](ConstRef<T> X, Vector<T>& buffer) {
-      buffer.resize(whole_panels<T>(X.rows()) * X.cols());
-      pack_panels<T>(
-          X.rows(), X.cols(), [&](Index j, Index c) { return X(j, c); }, buffer.data());
-      return PackedKeys<T>{buffer.data(), X.cols()};
-    };
-    const PackedOperands<T> packed{pack(K, store.packed_K), pack(V, store.packed_V)};
-    tiled_backward<T>(in, packed, tiles, store.partial, grads);
+    store.packed_K.resize(whole_panels<T>(m) * K.cols());
+    store.packed_V.resize(whole_panels<T>(m) * V.cols());
+    tiled_backward<T>(in, store.packed_K.data(), store.packed_V.data(), tiles, store.partial,
+                      grads);
   } else {
     materialised_backward<T>(in, store.P, store.dS, grads);
   }

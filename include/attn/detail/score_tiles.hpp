@@ -71,16 +71,87 @@ inline void stream_fence() {
 /// Keys packed for the kernel: panel p holds keys [p cols, (p + 1) cols) transposed, d rows of
 /// `cols` scalars each (`panel[c * cols + jj] = key(p cols + jj, c)`), zero past the last key.
 /// `key(j, c)` gives feature c of key j: K(j, c) for scores, W(c, j) for products X W.
+/// Panels of `cols` keys that hold m keys.
+template <class T>
+constexpr Index panel_count(Index m) {
+  return (m + ScoreTile<T>::cols - 1) / ScoreTile<T>::cols;
+}
+
+/// `cols` rounded up to a whole number of register panels.
+template <class T>
+constexpr Index whole_panels(Index cols) {
+  return panel_count<T>(cols) * ScoreTile<T>::cols;
+}
+
+/// Panel p of `pack_panels` alone, at packed + p d cols: the panels can be packed in any order,
+/// by any thread.
+template <class T, class Key>
+void pack_panel(Index m, Index d, const Key& key, Index p, T* packed) {
+  constexpr Index cols = ScoreTile<T>::cols;
+  const Index j0 = p * cols;
+  const Index width = std::min(cols, m - j0);
+  packed += p * d * cols;
+  for (Index c = 0; c < d; ++c, packed += cols) {
+    for (Index jj = 0; jj < width; ++jj) packed[jj] = key(j0 + jj, c);
+    for (Index jj = width; jj < cols; ++jj) packed[jj] = T(0);
+  }
+}
+
 template <class T, class Key>
 void pack_panels(Index m, Index d, const Key& key, T* packed) {
+  for (Index p = 0; p < panel_count<T>(m); ++p) pack_panel<T>(m, d, key, p, packed);
+}
+
+/// Panel p of the keys K (m x d, row-major), as `pack_panel` of K(j, c), with the whole blocks of
+/// `lanes` keys x `lanes` features moved a packet at a time: `lanes` rows of K loaded, transposed
+/// in registers (Eigen's `ptranspose`) and stored as `lanes` rows of the panel. The scalar loop
+/// reads K down its columns, one scalar per row: on the project's 212 GFLOP/s machine it took
+/// 8.3 us for 512 keys of 64 floats (in the first-level cache), 2.3% of `flash_attention`'s time
+/// at n = 512 on one thread.
+// Eigen's `PacketBlock` of a SIMD type such as __m512 makes GCC warn that the type's attributes
+// are ignored as a template argument (-Wignored-attributes); they are, harmlessly, as inside
+// Eigen, whose own headers are system headers and so not warned about.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"
+template <class T>
+void pack_panel(ConstRef<T> K, Index p, T* packed) {
+  using Packet = typename Simd<T>::Packet;
+  constexpr Index lanes = Simd<T>::lanes;
   constexpr Index cols = ScoreTile<T>::cols;
-  for (Index j0 = 0; j0 < m; j0 += cols) {
-    const Index width = std::min(cols, m - j0);
-    for (Index c = 0; c < d; ++c, packed += cols) {
-      for (Index jj = 0; jj < width; ++jj) packed[jj] = key(j0 + jj, c);
-      for (Index jj = width; jj < cols; ++jj) packed[jj] = T(0);
+  const Index j0 = p * cols;
+  const Index d = K.cols();
+  if constexpr (lanes > 1) {
+    const Index blocked = d / lanes * lanes;
+    if (K.rows() - j0 >= cols && blocked > 0) {
+      T* panel = packed + p * d * cols;
+      Eigen::internal::PacketBlock<Packet, int(lanes)> block;
+      for (Index jb = 0; jb < cols; jb += lanes) {
+        const T* rows = K.data() + (j0 + jb) * K.outerStride();
+        for (Index c0 = 0; c0 < blocked; c0 += lanes) {
+          for (Index r = 0; r < lanes; ++r) {
+            block.packet[r] = Eigen::internal::ploadu<Packet>(rows + r * K.outerStride() + c0);
+          }
+          Eigen::internal::ptranspose(block);
+          for (Index r = 0; r < lanes; ++r) {
+            Eigen::internal::pstoreu(panel + (c0 + r) * cols + jb, block.packet[r]);
+          }
+        }
+        for (Index c = blocked; c < d; ++c) {
+          for (Index jj = jb; jj < jb + lanes; ++jj) panel[c * cols + jj] = K(j0 + jj, c);
+        }
+      }
+      return;
     }
   }
+  pack_panel<T>(
+      K.rows(), d, [&K](Index j, Index c) { return K(j, c); }, p, packed);
+}
+#pragma GCC diagnostic pop
+
+/// Every panel of the keys K (`pack_panel`) into `packed`: `whole_panels(m) d` scalars.
+template <class T>
+void pack_keys_into(ConstRef<T> K, T* packed) {
+  for (Index p = 0; p < panel_count<T>(K.rows()); ++p) pack_panel<T>(K, p, packed);
 }
 
 /// Where the score kernel finds its key panels: the panel of keys [j0, j0 + cols) starts at
@@ -246,8 +317,7 @@ T* packed_panels(Index m, Index d) {
 template <class T>
 const T* pack_keys(ConstRef<T> K) {
   T* packed = packed_panels<T>(K.rows(), K.cols());
-  pack_panels<T>(
-      K.rows(), K.cols(), [&](Index j, Index c) { return K(j, c); }, packed);
+  pack_keys_into<T>(K, packed);
   return packed;
 }
 
