@@ -20,16 +20,18 @@ T default_scale(Index d_k) {
   return T(1) / std::sqrt(static_cast<T>(d_k));
 }
 
-/// S = scale * Q K^T: K is packed once into panels, then register tiles of S are summed over d_k,
-/// scaled in the registers and written once (detail/score_tiles.hpp): no zero fill, no second pass.
+/// S = scale * Q K^T: K is packed into panels (once per thread that runs blocks of queries), then
+/// register tiles of S are summed over d_k, scaled in the registers and written once
+/// (detail/score_tiles.hpp): no zero fill, no second pass.
 /// Shape contract: Q n x d, K m x d, S resized to n x m (no allocation when it already is).
-/// The packed keys live in a buffer of this thread that grows to the largest m x d seen and is kept
-/// between calls (the hot path allocates nothing).
+/// The packed keys live in a buffer of each thread that grows to the largest m x d seen and is
+/// kept between calls (the hot path allocates nothing).
 template <class T>
 void scores_kernel(ConstRef<T> Q, ConstRef<T> K, T scale, Matrix<T>& S) {
   S.resize(Q.rows(), K.rows());
   if (S.size() == 0) return;
-  score_tiles<T>(Q, packed_key_panels<T>(pack_keys<T>(K), K.cols()), scale, S);
+  score_tiles<T>(
+      Q, [&K] { return packed_key_panels<T>(pack_keys<T>(K), K.cols()); }, scale, S);
 }
 
 template <class T>
