@@ -569,6 +569,85 @@ TEST(KVStorageBFloat16Arithmetic, EachPathThisMachineSupports) {
   }
 }
 
+/// The operands of the bfloat16 score tiles hold exactly what their layout says. Keys
+/// (`pack_bfloat16_keys`): panel p, pair c, key jj at (p ceil(d / 2) + c) 32 + jj, the bits of
+/// features 2c (low half) and 2c + 1 (high half, 0 past d) of key 32 p + jj, 0 past the last key;
+/// K a block of a wider matrix, on a 32-bit word with an even row stride (the words moved 16 x 16
+/// at a time) or off it with an odd one (pair by pair). Queries (`pack_bfloat16_queries`, where the CPU has AVX512_BF16): each
+/// feature rounded to nearest even as Eigen rounds it, a subnormal to 0 (what `vdpbf16ps` makes
+/// of one anyway), a NaN to a NaN.
+TEST(BFloat16Operands, PackedAsTheirLayoutSays) {
+  using Rows = Eigen::Matrix<Eigen::bfloat16, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  constexpr Index w = attn::detail::bfloat16_panel_keys;
+  const auto bits = [](Eigen::bfloat16 x) {
+    return std::uint32_t(Eigen::numext::bit_cast<std::uint16_t>(x));
+  };
+  std::mt19937 rng(37);
+  for (const Index d : {1, 2, 3, 31, 32, 33, 64, 65, 66}) {
+    for (const Index m : {1, 31, 32, 33, 70}) {
+      for (const Index extra : {2, 3}) {
+        const Rows wide =
+            attn_test::random_matrix<float>(m, d + extra, rng).cast<Eigen::bfloat16>();
+        const Index offset = extra == 2 ? 2 : 1;  // on a 32-bit word, or not
+        const attn::detail::StoredBlock<attn::detail::BFloat16Codec, float> K(
+            wide.data() + offset, m, d, d + extra, nullptr);
+        const Index pairs = (d + 1) / 2;
+        const Index panels = (m + w - 1) / w;
+        std::vector<std::uint32_t> packed(std::size_t(panels * pairs * w), 0xdeadbeefu);
+        attn::detail::pack_bfloat16_keys(K, packed.data());
+        Index wrong = 0;
+        for (Index p = 0; p < panels; ++p) {
+          for (Index c = 0; c < pairs; ++c) {
+            for (Index jj = 0; jj < w; ++jj) {
+              const Index j = p * w + jj;
+              std::uint32_t want = 0;
+              if (j < m) {
+                want = bits(wide(j, offset + 2 * c));
+                if (2 * c + 1 < d) want |= bits(wide(j, offset + 1 + 2 * c)) << 16;
+              }
+              if (packed[std::size_t((p * pairs + c) * w + jj)] != want) ++wrong;
+            }
+          }
+        }
+        EXPECT_EQ(wrong, 0) << "d = " << d << ", m = " << m << ", row stride " << d + extra;
+      }
+    }
+  }
+
+  if (!attn::bfloat16_arithmetic_available()) {
+    std::printf("[ skipped  ] the queries' rounding: no AVX512_BF16 here\n");
+    return;
+  }
+  for (const Index d : {1, 15, 16, 17, 64, 65}) {
+    Matrix<float> wide = attn_test::random_matrix<float>(5, d + 3, rng, 3.0);
+    wide(1, 2) = std::numeric_limits<float>::denorm_min() * 1000;  // subnormal
+    wide(2, 1 + d - 1) = std::numeric_limits<float>::quiet_NaN();
+    wide(3, 1) = -std::numeric_limits<float>::infinity();
+    wide(4, 1) = 1.00390625f;  // halfway between two bfloat16: rounds to even (1.0)
+    const Matrix<float> Q = wide.middleCols(1, d);
+    const Index pairs = (d + 1) / 2;
+    std::vector<std::uint32_t> packed(std::size_t(5 * pairs), 0xdeadbeefu);
+    attn::detail::pack_bfloat16_queries(wide.middleCols(1, d), packed.data());
+    Index wrong = 0;
+    for (Index i = 0; i < 5; ++i) {
+      for (Index f = 0; f < d; ++f) {
+        const std::uint32_t word = packed[std::size_t(i * pairs + f / 2)];
+        const std::uint32_t got = f % 2 == 0 ? word & 0xffffu : word >> 16;
+        const float x = Q(i, f);
+        if (std::isnan(x)) {
+          if ((got & 0x7f80u) != 0x7f80u || (got & 0x7fu) == 0) ++wrong;
+        } else if (std::fpclassify(x) == FP_SUBNORMAL) {
+          if ((got & 0x7fffu) != 0) ++wrong;
+        } else if (got != bits(Eigen::bfloat16(x))) {
+          ++wrong;
+        }
+      }
+      if (d % 2 == 1 && (packed[std::size_t(i * pairs + pairs - 1)] >> 16) != 0) ++wrong;
+    }
+    EXPECT_EQ(wrong, 0) << "d = " << d;
+  }
+}
+
 /// The tiled kernel in bfloat16 arithmetic (`set_bfloat16_arithmetic`, keys and values in
 /// bfloat16): scores by vdpbf16ps on the queries rounded to bfloat16, and, where d_v is a multiple
 /// of 16, the value product by vdpbf16ps on the probabilities rounded to bfloat16. Against

@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "../simd.hpp"
 #include "../threads.hpp"
 #include "../types.hpp"
 
@@ -113,6 +114,9 @@ void pack_panels(Index m, Index d, const Key& key, T* packed) {
 // Eigen's `PacketBlock` of a SIMD type such as __m512 makes GCC warn that the type's attributes
 // are ignored as a template argument (-Wignored-attributes); they are, harmlessly, as inside
 // Eigen, whose own headers are system headers and so not warned about.
+// GCC 12's false -Wmaybe-uninitialized inside the AVX-512 intrinsics of `ptranspose`: see
+// ATTN_INTRINSICS_BEGIN.
+ATTN_INTRINSICS_BEGIN
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wignored-attributes"
 template <class T>
@@ -149,6 +153,7 @@ void pack_panel(ConstRef<T> K, Index p, T* packed) {
       K.rows(), d, [&K](Index j, Index c) { return K(j, c); }, p, packed);
 }
 #pragma GCC diagnostic pop
+ATTN_INTRINSICS_END
 
 /// Every panel of the keys K (`pack_panel`) into `packed`: `whole_panels(m) d` scalars.
 template <class T>
