@@ -69,12 +69,19 @@ struct FlashScratch {
 };
 
 /// Keys in a stored format (detail/stored.hpp) packed for the score tiles, widened on the way
-/// (the packed panels are a copy in any case).
+/// (the packed panels are a copy in any case): a panel's rows widened a packet at a time
+/// (`widen_into`), then packed as keys of T (`pack_panel`). Element by element, 512 bfloat16
+/// keys of 64 features took 10.5 us (the 212 GFLOP/s machine).
 template <class T, class Codec>
 const T* pack_keys(const StoredBlock<Codec, T>& K) {
+  constexpr Index cols = ScoreTile<T>::cols;
   T* packed = packed_panels<T>(K.rows(), K.cols());
-  pack_panels<T>(
-      K.rows(), K.cols(), [&](Index j, Index c) { return K(j, c); }, packed);
+  thread_local Matrix<T> rows;  // one panel's keys widened
+  for (Index p = 0; p < panel_count<T>(K.rows()); ++p) {
+    const Index j0 = p * cols;
+    K.middleRows(j0, std::min(cols, K.rows() - j0)).widen_into(rows);
+    pack_panel<T>(rows, 0, packed + p * K.cols() * cols);
+  }
   return packed;
 }
 
