@@ -71,9 +71,6 @@ inline void stream_fence() {
 #endif
 }
 
-/// Keys packed for the kernel: panel p holds keys [p cols, (p + 1) cols) transposed, d rows of
-/// `cols` scalars each (`panel[c * cols + jj] = key(p cols + jj, c)`), zero past the last key.
-/// `key(j, c)` gives feature c of key j: K(j, c) for scores, W(c, j) for products X W.
 /// Panels of `cols` keys that hold m keys.
 template <class T>
 constexpr Index panel_count(Index m) {
@@ -100,6 +97,9 @@ void pack_panel(Index m, Index d, const Key& key, Index p, T* packed) {
   }
 }
 
+/// Keys packed for the kernel: panel p holds keys [p cols, (p + 1) cols) transposed, d rows of
+/// `cols` scalars each (`panel[c * cols + jj] = key(p cols + jj, c)`), zero past the last key.
+/// `key(j, c)` gives feature c of key j: K(j, c) for scores, W(c, j) for products X W.
 template <class T, class Key>
 void pack_panels(Index m, Index d, const Key& key, T* packed) {
   for (Index p = 0; p < panel_count<T>(m); ++p) pack_panel<T>(m, d, key, p, packed);
@@ -109,8 +109,8 @@ void pack_panels(Index m, Index d, const Key& key, T* packed) {
 /// `lanes` keys x `lanes` features moved a packet at a time: `lanes` rows of K loaded, transposed
 /// in registers (Eigen's `ptranspose`) and stored as `lanes` rows of the panel. The scalar loop
 /// reads K down its columns, one scalar per row: on the project's 212 GFLOP/s machine it took
-/// 8.3 us for 512 keys of 64 floats (in the first-level cache), 2.3% of `flash_attention`'s time
-/// at n = 512 on one thread.
+/// 8.3-18.2 us for 512 keys of 64 floats (K in the caches), 2.3% or more of `flash_attention`'s
+/// time at n = 512 on one thread; this, 1.35 us.
 // Eigen's `PacketBlock` of a SIMD type such as __m512 makes GCC warn that the type's attributes
 // are ignored as a template argument (-Wignored-attributes); they are, harmlessly, as inside
 // Eigen, whose own headers are system headers and so not warned about.
