@@ -35,7 +35,7 @@ struct FlashTiles {
 
 namespace detail {
 
-/// The keys of one call packed once for the score tiles (`pack_panels`), shared by every thread:
+/// The keys of one call packed for the score tiles (`pack_panel`), by each thread that reads them:
 /// panel p holds keys [p w, (p + 1) w), w = `ScoreTile<T>::cols`. For the bfloat16 score tiles
 /// (detail/bfloat16_tiles.hpp) the keys are in `bfloat16_panels` instead, and the queries they
 /// meet, rounded, in `bfloat16_queries` (`panels` is then null).

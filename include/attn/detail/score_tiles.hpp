@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
-#include <type_traits>
 #include <utility>
 
 #include "../simd.hpp"
@@ -83,8 +82,10 @@ constexpr Index whole_panels(Index cols) {
   return panel_count<T>(cols) * ScoreTile<T>::cols;
 }
 
-/// Panel p of `pack_panels` alone, at packed + p d cols: the panels can be packed in any order,
-/// by any thread.
+/// Keys packed for the kernel: panel p holds keys [p cols, (p + 1) cols) transposed, d rows of
+/// `cols` scalars each (`panel[c * cols + jj] = key(p cols + jj, c)`), zero past the last key.
+/// `key(j, c)` gives feature c of key j. This packs panel p of m keys, at packed + p d cols: the
+/// panels can be packed in any order, by any thread.
 template <class T, class Key>
 void pack_panel(Index m, Index d, const Key& key, Index p, T* packed) {
   constexpr Index cols = ScoreTile<T>::cols;
@@ -95,14 +96,6 @@ void pack_panel(Index m, Index d, const Key& key, Index p, T* packed) {
     for (Index jj = 0; jj < width; ++jj) packed[jj] = key(j0 + jj, c);
     for (Index jj = width; jj < cols; ++jj) packed[jj] = T(0);
   }
-}
-
-/// Keys packed for the kernel: panel p holds keys [p cols, (p + 1) cols) transposed, d rows of
-/// `cols` scalars each (`panel[c * cols + jj] = key(p cols + jj, c)`), zero past the last key.
-/// `key(j, c)` gives feature c of key j: K(j, c) for scores, W(c, j) for products X W.
-template <class T, class Key>
-void pack_panels(Index m, Index d, const Key& key, T* packed) {
-  for (Index p = 0; p < panel_count<T>(m); ++p) pack_panel<T>(m, d, key, p, packed);
 }
 
 /// Panel p of the keys K (m x d, row-major), as `pack_panel` of K(j, c), with the whole blocks of
@@ -163,7 +156,7 @@ void pack_keys_into(ConstRef<T> K, T* packed) {
 
 /// Where the score kernel finds its key panels: the panel of keys [j0, j0 + cols) starts at
 /// `panel(j0)`, and feature c of it (`cols` scalars, aligned to a packet) `stride` scalars after
-/// feature c - 1. Keys packed by `pack_panels` are one block of d x cols per panel (stride cols);
+/// feature c - 1. Keys packed by `pack_panel` are one block of d x cols per panel (stride cols);
 /// the columns of a row-major W as keys (a product X W, `product_kernel`) are W itself, unpacked:
 /// the panel of columns [j0, j0 + cols) at W + j0, stride W's row stride.
 template <class T>
@@ -174,7 +167,7 @@ struct KeyPanels {
   const T* panel(Index j0) const { return data + (j0 / ScoreTile<T>::cols) * step; }
 };
 
-/// Panels packed by `pack_panels` for keys of d features.
+/// Panels packed by `pack_panel` for keys of d features.
 template <class T>
 KeyPanels<T> packed_key_panels(const T* packed, Index d) {
   return {packed, d * ScoreTile<T>::cols, ScoreTile<T>::cols};
@@ -277,11 +270,11 @@ void score_panel(const T* q, Index q_stride, Index rows, const T* panel, Index p
   });
 }
 
-/// S = scale * Q K^T with K in panels. Shape contract: Q n x d and S n x m, row-major; `keys` is
-/// a `KeyPanels` of ceil(m / cols) panels of d features, or a function that returns one and that
-/// each thread of the team calls before its first block (to pack the keys into its own buffer: a
-/// copy packed by the calling thread would be taken back from the other threads' caches at every
-/// call, see `flash_kernel_on`).
+/// S = scale * Q K^T with K in panels. Shape contract: Q n x d and S n x m, row-major; `keys()`
+/// returns the `KeyPanels` (ceil(m / cols) panels of d features); each thread of the team calls it
+/// before its first block, so that it can pack the keys into the thread's own buffer (a copy
+/// packed by the calling thread would be taken back from the other threads' caches at every call,
+/// see `flash_kernel_on`).
 /// Pass 1 splits the queries into blocks of 8 register tiles, in parallel (`parallel_for`); pass 2,
 /// per block, walks the key panels (one panel stays in L1 while every tile of the block uses it);
 /// pass 3, per panel, runs the register tiles down the block, with smaller tiles for the rest.
@@ -304,13 +297,7 @@ void score_tiles(ConstRef<T> Q, const Keys& keys, T scale, Eigen::Ref<Matrix<T>>
                       (s_stride * Index(sizeof(T))) % packet_bytes == 0;
   const Index blocks = (n + block_rows - 1) / block_rows;
   parallel_for<std::optional<KeyPanels<T>>>(blocks, [&](Index b, auto& panels) {
-    if (!panels) {
-      if constexpr (std::is_same_v<Keys, KeyPanels<T>>) {
-        panels = keys;
-      } else {
-        panels = keys();
-      }
-    }
+    if (!panels) panels = keys();
     const Index i_begin = b * block_rows;
     const Index i_end = std::min(n, i_begin + block_rows);
     for (Index j0 = 0; j0 < m; j0 += cols) {
@@ -342,7 +329,7 @@ const T* pack_keys(ConstRef<T> K) {
   return packed;
 }
 
-/// `pack_panels` of the columns of W (d x m) as keys, for a product X W: each row of a panel is a
+/// The panels of `pack_panel` of the columns of W (d x m) as keys, for a product X W: each row of a panel is a
 /// contiguous piece of a row of W. W is read row by row, in memory order (a layer's weights are
 /// seldom in the cache: panel by panel, the rows 2 KiB apart defeated the prefetcher), and whole
 /// pieces are copied by a loop of fixed length (no call per piece). Measured on the project's
@@ -402,12 +389,16 @@ void product_kernel(ConstRef<T> X, ConstRef<T> W, Eigen::Ref<Matrix<T>> Y) {
     return;
   }
   if (columns_in_place<T>(W, X.rows())) {
-    score_tiles<T>(X, KeyPanels<T>{W.data(), ScoreTile<T>::cols, W.outerStride()}, T(1), Y);
+    const KeyPanels<T> columns{W.data(), ScoreTile<T>::cols, W.outerStride()};
+    score_tiles<T>(
+        X, [&] { return columns; }, T(1), Y);
     return;
   }
   T* packed = packed_panels<T>(W.cols(), W.rows());
   pack_columns<T>(W, packed);
-  score_tiles<T>(X, packed_key_panels<T>(packed, W.rows()), T(1), Y);
+  const KeyPanels<T> panels = packed_key_panels<T>(packed, W.rows());
+  score_tiles<T>(
+      X, [&] { return panels; }, T(1), Y);
 }
 
 }  // namespace detail
