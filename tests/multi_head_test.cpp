@@ -16,12 +16,14 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <fstream>
 #include <functional>
 #include <initializer_list>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -725,6 +727,77 @@ TYPED_TEST(MultiHeadLayer, ReturningOverloadsReuseThisThreadsWorkspace) {
     EXPECT_TRUE(attn_test::identical(grads.dW_O, expected_grads.dW_O));
   }
 }
+
+#if defined(__linux__)
+/// The VmFlags of the mapping that holds `address` in /proc/self/smaps ("" if none).
+std::string mapping_flags(const void* address) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto at = reinterpret_cast<std::uintptr_t>(address);
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    std::uintptr_t begin = 0;
+    std::uintptr_t end = 0;
+    char dash = 0;
+    std::istringstream range(line);
+    if (range >> std::hex >> begin >> dash >> end && dash == '-') {
+      inside = begin <= at && at < end;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      return line;
+    }
+  }
+  return "";
+}
+
+/// Whether the mapping that holds `address` is advised for 2 MiB pages (VmFlags "hg").
+bool advised_for_large_pages(const void* address) {
+  return (mapping_flags(address) + " ").find(" hg ") != std::string::npos;
+}
+
+/// The convenience overloads ask Linux for 2 MiB pages for their large buffers (the kept
+/// workspace and the result they return: `MultiHeadWorkspace::large_pages`), the hot path with a
+/// default workspace does not; the advice is a flag of the mapping, set whatever the system then
+/// does with it. Each buffer is 4 MiB or more (1024 sequences of 16 tokens, E = 64), so the
+/// address 2 MiB past its start lies inside a whole 2 MiB page of it, which is what is advised.
+TEST(MultiHeadLargePages, ConvenienceOverloadsAskForThemTheHotPathDoesNot) {
+  if (!std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled")) {
+    GTEST_SKIP() << "this kernel has no transparent huge pages";
+  }
+  std::mt19937 rng(41);
+  attn::MultiHeadConfig config;
+  config.embed_dim = 64;
+  config.num_heads = 4;
+  const MultiHeadAttention<float> layer(config, 42);
+  const Tensor3<float> x = random_tensor<float>(1024, 16, 64, rng);
+  const std::size_t two_mib = std::size_t(2) << 20;
+  const auto inside = [&](const float* data) {
+    return reinterpret_cast<const char*>(data) + two_mib;
+  };
+  ASSERT_GE(static_cast<std::size_t>(x.size()) * sizeof(float), 2 * two_mib);
+
+  const MultiHeadResult<float> returned = layer.forward(x, x, x);
+  const attn::MultiHeadWorkspace<float>& kept = attn::detail::thread_workspace<float>();
+  EXPECT_TRUE(kept.large_pages);
+  EXPECT_TRUE(advised_for_large_pages(inside(returned.output.data())))
+      << mapping_flags(inside(returned.output.data()));
+  EXPECT_TRUE(advised_for_large_pages(inside(kept.Q.data())))
+      << mapping_flags(inside(kept.Q.data()));
+  EXPECT_TRUE(advised_for_large_pages(inside(kept.concat.data())));
+
+  attn::MultiHeadWorkspace<float> workspace;
+  MultiHeadResult<float> result;
+  layer.forward(x, x, x, {}, workspace, result);
+  EXPECT_FALSE(workspace.large_pages);
+  EXPECT_FALSE(advised_for_large_pages(inside(result.output.data())))
+      << mapping_flags(inside(result.output.data()));
+  EXPECT_FALSE(advised_for_large_pages(inside(workspace.Q.data())));
+  EXPECT_TRUE(attn_test::identical(as_rows<float>(result.output), as_rows<float>(returned.output)));
+
+  // The backward's gradients with respect to the inputs, returned, are advised too.
+  const attn::MultiHeadGrads<float> grads = layer.backward(x, x, x, x, {});
+  EXPECT_TRUE(advised_for_large_pages(inside(grads.d_query.data())));
+  EXPECT_TRUE(advised_for_large_pages(inside(kept.dQ.data())));
+}
+#endif
 
 /// A batch item whose keys are all padding attends nothing: zero weights and a zero attention
 /// output (so the layer's output is the output bias), never NaN (PyTorch 1.13 gives NaN here).

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "detail/backward_kernels.hpp"
+#include "detail/large_buffers.hpp"
 #include "detail/online_softmax.hpp"
 #include "detail/paths.hpp"
 #include "detail/score_rule.hpp"
@@ -102,19 +103,30 @@ struct MultiHeadWorkspace {
   Matrix<T> dV;        ///< (batch m, kv_heads head_dim) of the projected values
   Matrix<T> dK_extra;  ///< (batch extra, kv_heads head_dim) of the appended keys, per item
   Matrix<T> dV_extra;  ///< (batch extra, kv_heads head_dim) of the appended values, per item
+  /// Ask the system (Linux) for 2 MiB pages when a buffer of 4 MiB or more is allocated, here or in
+  /// the result (`detail::resize_large`). The convenience overloads' workspace sets it: their
+  /// results go back to the system when their owners drop them, and on the project's machines
+  /// (virtual machines) each such return made the next touch of other 4 KiB pages fault again.
+  /// Off by default: set for the hot path's workspace too, it made the hot path 2-8% slower at
+  /// (8, 2048, 512) there (README, "The returning overload and 2 MiB pages").
+  bool large_pages = false;
 };
 
 namespace detail {
 /// This thread's workspace for the convenience overloads of `MultiHeadAttention::forward` and
 /// `backward` (those that return their result): kept between calls like the packed keys of the
-/// score kernel, it grows to the largest shape seen on this thread, so that a repeated call of one
-/// shape allocates only the result it returns. Fresh memory is costly where page faults are: on
-/// one of the project's machines (a virtual machine, 11 us per 4 KiB page) a fresh workspace made
-/// the convenience overload 1.6-2.7x slower than the hot path at (batch 1-8, 128-2048 tokens,
-/// E = 512).
+/// score kernel, each buffer reallocated only when its size changes, so that a repeated call of
+/// one shape allocates only the result it returns. Fresh memory is costly where page faults are:
+/// on one of the project's machines (a virtual machine, 11 us per 4 KiB page) a fresh workspace
+/// made the convenience overload 1.6-2.7x slower than the hot path at (batch 1-8, 128-2048
+/// tokens, E = 512). Its `large_pages` is set (see there).
 template <class T>
 MultiHeadWorkspace<T>& thread_workspace() {
-  static thread_local MultiHeadWorkspace<T> workspace;
+  static thread_local MultiHeadWorkspace<T> workspace = [] {
+    MultiHeadWorkspace<T> fresh;
+    fresh.large_pages = true;
+    return fresh;
+  }();
   return workspace;
 }
 }  // namespace detail
@@ -321,8 +333,9 @@ class MultiHeadAttention {
   /// \throws shape_error on mismatched shapes or invalid options.
   /// \note One GEMM per projection over the whole batch; heads run on strided views (no copies).
   ///       The working memory is this thread's (`detail::thread_workspace`), kept between calls
-  ///       and grown to the largest shape seen: only the result is allocated when the shape
-  ///       repeats. The hot-path overload below leaves that memory to the caller.
+  ///       and reallocated only when a size changes: only the result is allocated when the shape
+  ///       repeats. Its large buffers and the result's ask for 2 MiB pages (`large_pages`). The
+  ///       hot-path overload below leaves that memory to the caller.
   MultiHeadResult<T> forward(const Tensor3<T>& query, const Tensor3<T>& key,
                              const Tensor3<T>& value,
                              const MultiHeadOptions<T>& options = {}) const {
@@ -349,9 +362,9 @@ class MultiHeadAttention {
 
     // 1. Projections: one GEMM per operand over all batch items.
     MultiHeadWorkspace<T>& ws = workspace;
-    project_into(detail::flatten(query), W_Q, b_Q, ws.Q);
-    project_into(detail::flatten(key), W_K, b_K, ws.K);
-    project_into(detail::flatten(value), W_V, b_V, ws.V);
+    project_into(detail::flatten(query), W_Q, b_Q, ws.Q, ws.large_pages);
+    project_into(detail::flatten(key), W_K, b_K, ws.K, ws.large_pages);
+    project_into(detail::flatten(value), W_V, b_V, ws.V, ws.large_pages);
 
     // 2. Each (batch item, head) in parallel (`attend_head`), written straight into the item's
     //    rows and the head's columns of the concatenated heads.
@@ -359,7 +372,7 @@ class MultiHeadAttention {
     const Index heads = config_.num_heads;
     prepare_heads(ws, batch, n);
     Tensor4<T>& per_head = options.average_weights ? ws.per_head : result.head_weights;
-    if (options.need_weights) per_head.resize(batch, heads, n, keys);
+    if (options.need_weights) detail::resize_large(per_head, ws.large_pages, batch, heads, n, keys);
     const detail::ScoreRule<T> shared = detail::make_rule<T>(options, n, m, head_dim());
     detail::parallel_for<detail::LayerScratch<T>>(
         n > 0 ? batch * heads : 0, [&](Index bh, detail::LayerScratch<T>& s) {
@@ -367,7 +380,7 @@ class MultiHeadAttention {
                       options.need_weights ? per_head.data() + bh * n * keys : nullptr);
         });
     if (options.need_weights && options.average_weights) {
-      result.weights.resize(batch, n, keys);
+      detail::resize_large(result.weights, ws.large_pages, batch, n, keys);
       for (Index b = 0; b < batch; ++b) {
         Eigen::Map<Matrix<T>> average(result.weights.data() + b * n * keys, n, keys);
         average.setZero();
@@ -382,7 +395,7 @@ class MultiHeadAttention {
     if (!options.need_weights || options.average_weights) result.head_weights.resize(0, 0, 0, 0);
 
     // 3. Output projection, again one GEMM over the batch.
-    result.output.resize(batch, n, config_.embed_dim);
+    detail::resize_large(result.output, ws.large_pages, batch, n, config_.embed_dim);
     Eigen::Map<Matrix<T>> output = detail::flatten(result.output);
     project_into(ws.concat, W_O, b_O, output);
   }
@@ -446,11 +459,11 @@ class MultiHeadAttention {
 
     // 1. The forward again, keeping every head's log-sum-exp (over its keys and the appended
     //    ones, sink included): projections, then each (batch item, head) in parallel.
-    project_into(detail::flatten(query), W_Q, b_Q, ws.Q);
-    project_into(detail::flatten(key), W_K, b_K, ws.K);
-    project_into(detail::flatten(value), W_V, b_V, ws.V);
+    project_into(detail::flatten(query), W_Q, b_Q, ws.Q, ws.large_pages);
+    project_into(detail::flatten(key), W_K, b_K, ws.K, ws.large_pages);
+    project_into(detail::flatten(value), W_V, b_V, ws.V, ws.large_pages);
     prepare_heads(ws, batch, n);
-    ws.lse.resize(batch * heads, n);
+    detail::resize_large(ws.lse, ws.large_pages, batch * heads, n);
     const detail::ScoreRule<T> shared = detail::make_rule<T>(options, n, m, hd);
     detail::parallel_for<detail::LayerScratch<T>>(
         n > 0 ? batch * heads : 0, [&](Index bh, detail::LayerScratch<T>& s) {
@@ -462,7 +475,7 @@ class MultiHeadAttention {
     const detail::ConstRef<T> dY = detail::flatten(d_output);
     weight_grad(ws.concat, dY, grads.dW_O);
     bias_grad(dY, grads.db_O);
-    ws.d_concat.resize(batch * n, heads * hd);
+    detail::resize_large(ws.d_concat, ws.large_pages, batch * n, heads * hd);
     detail::product_kernel<T>(dY, W_O.transpose(), ws.d_concat);
 
     // 3. Each (batch item, key/value head) a task: its query heads in head order, each by
@@ -470,9 +483,9 @@ class MultiHeadAttention {
     //    head's merged output and log-sum-exp, so each block's P is its share of the whole
     //    softmax). dQ of a head is the sum of the two blocks'; dK, dV (and the appended rows')
     //    of the key/value head the sum over its query heads, in head order.
-    ws.dQ.resize(batch * n, heads * hd);
-    ws.dK.resize(batch * m, kv_heads * hd);
-    ws.dV.resize(batch * m, kv_heads * hd);
+    detail::resize_large(ws.dQ, ws.large_pages, batch * n, heads * hd);
+    detail::resize_large(ws.dK, ws.large_pages, batch * m, kv_heads * hd);
+    detail::resize_large(ws.dV, ws.large_pages, batch * m, kv_heads * hd);
     ws.dK_extra.resize(batch * extra, kv_heads * hd);
     ws.dV_extra.resize(batch * extra, kv_heads * hd);
     if (n == 0) {  // no query: nothing reaches the keys
@@ -516,9 +529,9 @@ class MultiHeadAttention {
 
     // 4. Input projections P = X W + b: dX = dP W^T, dW = X^T dP, db = colsum(dP); add_bias_kv's
     //    rows take the appended keys' (values') first row, summed over the items in item order.
-    input_grads(query, W_Q, ws.dQ, grads.d_query, grads.dW_Q, grads.db_Q);
-    input_grads(key, W_K, ws.dK, grads.d_key, grads.dW_K, grads.db_K);
-    input_grads(value, W_V, ws.dV, grads.d_value, grads.dW_V, grads.db_V);
+    input_grads(query, W_Q, ws.dQ, grads.d_query, grads.dW_Q, grads.db_Q, ws.large_pages);
+    input_grads(key, W_K, ws.dK, grads.d_key, grads.dW_K, grads.db_K, ws.large_pages);
+    input_grads(value, W_V, ws.dV, grads.d_value, grads.dW_V, grads.db_V, ws.large_pages);
     if (config_.add_bias_kv) {
       grads.d_bias_k.setZero(kv_heads * hd);
       grads.d_bias_v.setZero(kv_heads * hd);
@@ -598,11 +611,13 @@ class MultiHeadAttention {
   /// Y = X W + b over all rows (b empty = no bias), with the register-tiled kernel of `scores`
   /// (`detail::product_kernel`: W read in place or packed once, rows in parallel; each entry is one
   /// sum in feature order, so the same bits for any thread count). Y is resized (a matrix) or must
-  /// have the right shape (a map).
+  /// have the right shape (a map); `large_pages` as `MultiHeadWorkspace::large_pages`.
   template <class Out>
   static void project_into(const detail::ConstRef<T>& X, const Matrix<T>& W, const RowVector<T>& b,
-                           Out& Y) {
-    if constexpr (std::is_same_v<Out, Matrix<T>>) Y.resize(X.rows(), W.cols());
+                           Out& Y, bool large_pages = false) {
+    if constexpr (std::is_same_v<Out, Matrix<T>>) {
+      detail::resize_large(Y, large_pages, X.rows(), W.cols());
+    }
     detail::product_kernel<T>(X, W, Y);
     if (b.size() > 0) Y.rowwise() += b;
   }
@@ -618,7 +633,7 @@ class MultiHeadAttention {
       extra_rows(bias_k, ws.K_extra);
       extra_rows(bias_v, ws.V_extra);
     }
-    ws.concat.resize(batch * n, config_.num_heads * head_dim());
+    detail::resize_large(ws.concat, ws.large_pages, batch * n, config_.num_heads * head_dim());
   }
 
   /// The rule of head h of batch item b over the item's m keys: the call's rule, head h's values
@@ -723,8 +738,8 @@ class MultiHeadAttention {
 
   /// The backward of one input projection P = X W + b from dP: dX (the shape of X), dW, db.
   void input_grads(const Tensor3<T>& X, const Matrix<T>& W, const Matrix<T>& dP, Tensor3<T>& dX,
-                   Matrix<T>& dW, RowVector<T>& db) const {
-    dX.resize(X.dimension(0), X.dimension(1), X.dimension(2));
+                   Matrix<T>& dW, RowVector<T>& db, bool large_pages) const {
+    detail::resize_large(dX, large_pages, X.dimension(0), X.dimension(1), X.dimension(2));
     Eigen::Map<Matrix<T>> dX_flat = detail::flatten(dX);
     detail::product_kernel<T>(dP, W.transpose(), dX_flat);
     weight_grad(detail::flatten(X), dP, dW);
