@@ -13,8 +13,9 @@ cache length (1k, 4k, 16k tokens; 32 query heads over 8 key/value heads, d = 128
 in one process, --repetitions rounds (each case >= --min-time seconds per round), so that every
 ratio compares neighbours in time.
 Prints a markdown table: each format's median time, its speed-up over the float step (the median
-of the rounds' ratios), the bytes it streams (`KVCache::bytes()`), and its bandwidth as a fraction
-of BM_stream_sum's. Targets (at 16k tokens): float16 and bfloat16 at least 1.8x the float step,
+of the rounds' ratios), the bytes it streams (`KVCache::bytes()`), its bandwidth as a fraction
+of BM_stream_sum's, and for the formats computed in float its products' fraction of the FMA peak
+(build/bench/attn_peak_fma_bench, run first) and the fraction the speed-up target would take. Targets (at 16k tokens): float16 and bfloat16 at least 1.8x the float step,
 int8 at least 3x, each at 80% or more of the bandwidth for its bytes.
 
 Standard library only; run it with /usr/bin/python3.
@@ -25,14 +26,18 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (Rounds, compiler_and_flags, machine_line,  # noqa: E402
-                          markdown_table, require_binary, rounds_arguments, verdict)
+from bench_common import (Rounds, compiler_and_flags, fma_peak, log,  # noqa: E402
+                          machine_line, markdown_table, require_binary, rounds_arguments, verdict)
 
 FORMATS = [(0, "float (Same)"), (1, "Float16"), (2, "BFloat16"), (3, "Int8"),
            (4, "BFloat16, vdpbf16ps"), (5, "Int8, VNNI")]
 TARGET_SPEEDUP = {1: 1.8, 2: 1.8, 3: 3.0, 4: 1.8, 5: 3.0}
 TARGET_BANDWIDTH = 0.8
 TARGET_TOKENS = 16384
+# Formats whose scores and values are float multiply-adds on the widened keys and values: their
+# step cannot beat its products at the FMA peak.
+FLOAT_ARITHMETIC = (0, 1, 2, 3)
+QUERY_HEADS, HEAD_DIM = 32, 128
 
 
 def case_name(tokens, storage):
@@ -52,6 +57,8 @@ def main():
     binary = require_binary(args.build, "attn_decode_bench", script)
     token_counts = [1024, 4096, 16384]
     names = ["BM_stream_sum"] + [case_name(t, s) for t in token_counts for s, _ in FORMATS]
+    log("%s: FMA peak (attn_peak_fma_bench) ..." % script)
+    peak = fma_peak(args.build, args.min_time, 3, script)[0] * args.threads
     rounds = Rounds(binary, names, args, script)
     median = rounds.median
 
@@ -66,20 +73,29 @@ def main():
             bandwidth = median(name, "bytes_per_second")
             fraction = bandwidth / stream
             bytes_streamed = bandwidth * median(name) / 1e3
+            # Q K^T and P V: 2 flops per product, one product per (query head, token, feature) each
+            flops = 4.0 * QUERY_HEADS * tokens * HEAD_DIM
+            of_peak, needs = "-", "-"
+            if storage in FLOAT_ARITHMETIC:
+                of_peak = "%.0f%%" % (100 * flops / (median(name) * 1e-3) / peak)
             target = ""
             if tokens == TARGET_TOKENS and storage in TARGET_SPEEDUP:
                 met = speedup >= TARGET_SPEEDUP[storage] and fraction >= TARGET_BANDWIDTH
                 all_met = all_met and met
                 target = "%s (>= %.1fx, >= %.0f%%)" % (verdict(met), TARGET_SPEEDUP[storage],
                                                        100 * TARGET_BANDWIDTH)
+                if storage in FLOAT_ARITHMETIC:
+                    wanted_ms = median(base) / TARGET_SPEEDUP[storage]
+                    needs = "%.0f%%" % (100 * flops / (wanted_ms * 1e-3) / peak)
             rows.append([tokens, label, "%.1f" % (bytes_streamed / 2**20), "%.3f" % median(name),
                          "%.2f" % speedup, "%.1f" % (bandwidth / 1e9),
-                         "%.0f%%" % (100 * fraction), target])
+                         "%.0f%%" % (100 * fraction), of_peak, needs, target])
 
     version, flags, build_type = compiler_and_flags(args.build, "attn_decode_bench",
                                                     "decode_bench.cpp")
-    print("Machine: %s; %d thread(s); streamed bandwidth %.1f GB/s (BM_stream_sum, same run)" %
-          (machine_line(), args.threads, stream / 1e9))
+    print("Machine: %s; %d thread(s); streamed bandwidth %.1f GB/s (BM_stream_sum, same run); "
+          "FMA peak %.1f GFLOP/s over the thread(s) (attn_peak_fma_bench, same run)" %
+          (machine_line(), args.threads, stream / 1e9, peak / 1e9))
     print("Compiler: %s; %s build, %s" % (version, build_type, flags))
     print("Command: python3 bench/compare_decode.py --build %s --threads %d" %
           (args.build, args.threads))
@@ -87,7 +103,7 @@ def main():
           args.repetitions)
     print()
     header = ["tokens", "storage", "MiB streamed", "step ms", "speed-up over float", "GB/s",
-              "% of stream", "target"]
+              "% of stream", "% of FMA peak", "FMA % the speed-up target needs", "target"]
     print("\n".join(markdown_table(header, rows, right=range(len(header) - 1))))
     print()
     for storage, counter, label in ((4, "vdpbf16ps", "BFloat16, vdpbf16ps"),
@@ -95,6 +111,10 @@ def main():
         ran = median(case_name(TARGET_TOKENS, storage), counter)
         print("%s %s on this machine (the row '%s' is otherwise the float path)"
               % (counter, "ran" if ran else "did not run", label))
+    print("% of FMA peak: 4 x 32 heads x tokens x 128 flops (the products of Q K^T and P V) over "
+          "the step's time, for the formats computed by float multiply-adds (the integer and "
+          "vdpbf16ps rows: -); the target column's need is that count over the float step's "
+          "time / the target: above 100%, float arithmetic cannot meet it on this machine")
     print("Targets at %d tokens: %s" % (TARGET_TOKENS, verdict(all_met)))
 
 

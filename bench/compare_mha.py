@@ -12,7 +12,8 @@ markdown table of wall-clock medians and the ratio PyTorch / ours; beside them, 
 and run, the allocating overload (BM_MultiHeadForwardAllocating) over the hot path, and one of the
 layer's projections (BM_Projection: X W + b over the B T tokens) as a fraction of the single-core
 FMA peak (build/bench/attn_peak_fma_bench, measured at the start and at the end, the best kept);
-then issue 11's targets for the layer with PASS or MISS.
+both layers' products as a fraction of that peak, and the fraction ours would need for the ratio
+target; then issue 11's targets for the layer with PASS or MISS.
 
 Timing policy, the same on both sides: a warm-up of at least WARMUP_S seconds (at least one call);
 then R repeats, each running calls until MIN_TIME_S seconds have passed (at least one call) and
@@ -167,6 +168,16 @@ def fmt(pattern, value):
     return "n/a" if value != value else pattern % value
 
 
+def layer_flops(batch, tokens):
+    """The products of one forward: the four projections (Q, K, V in, and out: 2 B T E^2 each)
+    and attention's Q K^T and P V over every head (4 B T^2 E)."""
+    return 8.0 * batch * tokens * EMBED_DIM ** 2 + 4.0 * batch * tokens ** 2 * EMBED_DIM
+
+
+def wanted_ratio(tokens):
+    return LONG_RATIO if tokens >= LONG_TOKENS else OTHER_RATIO
+
+
 def target_rows(shapes, ours, theirs, peak):
     """Issue 11's targets for the layer: one row per shape and target."""
     rows = []
@@ -175,7 +186,7 @@ def target_rows(shapes, ours, theirs, peak):
         shape = "(%d, %d, %d)" % (batch, tokens, EMBED_DIM)
         mine = ours[key]
         ratio = theirs[key]["median_ms"] / mine["median_ms"]
-        wanted = LONG_RATIO if tokens >= LONG_TOKENS else OTHER_RATIO
+        wanted = wanted_ratio(tokens)
         rows.append(["PyTorch / ours", shape, "%.2f" % ratio, ">= %.1f" % wanted,
                      verdict(ratio >= wanted)])
         fraction = mine["projection_flops"] / peak
@@ -262,14 +273,26 @@ def main():
         key = "%d,%d" % (batch, tokens)
         mine, other = ours[key], theirs[key]["median_ms"]
         ratio = other / mine["median_ms"]
+        flops = layer_flops(batch, tokens)
+        theirs_of_peak = flops / (other * 1e-3) / peak[0]
         rows.append(["(%d, %d, %d)" % (batch, tokens, EMBED_DIM), repeats_for(batch, tokens),
                      "%.2f" % mine["median_ms"], fmt("%.2f", mine["allocating_ms"]),
                      fmt("%.2f", mine["allocating_ms"] / mine["median_ms"]),
                      fmt("%.0f%%", 100 * mine["projection_flops"] / peak[0]), "%.2f" % other,
-                     "%.2fx faster" % ratio if ratio >= 1 else "%.2fx slower" % (1 / ratio)])
+                     "%.2fx faster" % ratio if ratio >= 1 else "%.2fx slower" % (1 / ratio),
+                     "%.0f%%" % (100 * flops / (mine["median_ms"] * 1e-3) / peak[0]),
+                     "%.0f%%" % (100 * theirs_of_peak),
+                     "%.0f%%" % (100 * wanted_ratio(tokens) * theirs_of_peak)])
     print("\n".join(markdown_table(
         ["shape (B, T, E)", "repeats", "ours (ms)", "allocating (ms)", "allocating / ours",
-         "projection % of peak", "PyTorch (ms)", "PyTorch / ours"], rows, right=range(1, 8))))
+         "projection % of peak", "PyTorch (ms)", "PyTorch / ours", "ours: layer % of peak",
+         "PyTorch: layer % of peak", "ours: % the ratio target needs"], rows,
+        right=range(1, 11))))
+    print()
+    print("Layer % of peak: the products of a forward (the four projections, 8 B T E^2 flops, and "
+          "attention's Q K^T and P V, 4 B T^2 E) over its time, on both sides; the ratio target's "
+          "need is the target times PyTorch's fraction: above 100%, no implementation can meet it "
+          "on this machine in this run.")
     print()
     targets = target_rows(shapes, ours, theirs, peak[0])
     print("\n".join(markdown_table(["target (issue 11)", "shape", "measured", "wanted", ""],
