@@ -15,8 +15,9 @@ ratio compares neighbours in time.
 Prints a markdown table: each format's median time, its speed-up over the float step (the median
 of the rounds' ratios), the bytes it streams (`KVCache::bytes()`), its bandwidth as a fraction
 of BM_stream_sum's, and for the formats computed in float its products' fraction of the FMA peak
-(build/bench/attn_peak_fma_bench, run first) and the fraction the speed-up target would take. Targets (at 16k tokens): float16 and bfloat16 at least 1.8x the float step,
-int8 at least 3x, each at 80% or more of the bandwidth for its bytes.
+(build/bench/attn_peak_fma_bench, run first) and the fraction the speed-up target would take.
+Targets (at 16k tokens): float16 and bfloat16 at least 1.8x the float step, int8 at least 3x, each
+at 80% or more of the bandwidth for its bytes.
 
 Standard library only; run it with /usr/bin/python3.
 """

@@ -155,6 +155,10 @@ def fmt(value, digits=3):
     return "n/a" if value != value else "%.*f" % (digits, value)
 
 
+def percent(fraction):
+    return "n/a" if fraction != fraction else "%.0f%%" % (100 * fraction)
+
+
 def main_rows(sizes, threads_list, ours, theirs, peak, targets):
     rows = []
     for op, heads in cases():
@@ -167,17 +171,17 @@ def main_rows(sizes, threads_list, ours, theirs, peak, targets):
                 wanted, ok, needs = "", None, "-"
                 if op == "full":
                     wanted, ok = ">= %.1fx" % FULL_RATIO, ratio >= FULL_RATIO
-                    needs = "%.0f%%" % (100 * FULL_RATIO * peer_fraction)
+                    needs = percent(FULL_RATIO * peer_fraction)
                     if t == 1 and n == PEAK_AT_N:
                         wanted += ", >= %.0f%% peak" % (100 * FULL_PEAK)
                         ok = ok and fraction >= FULL_PEAK
                 elif op == "causal" and n >= CAUSAL_FROM_N:
                     wanted, ok = ">= %.0fx" % CAUSAL_RATIO, ratio >= CAUSAL_RATIO
-                    needs = "%.0f%%" % (100 * CAUSAL_RATIO * peer_fraction)
+                    needs = percent(CAUSAL_RATIO * peer_fraction)
                 if ok is not None:
                     targets.append(ok)
                 rows.append([LABELS[op], n, heads, t, fmt(mine), fmt(other), graph, fmt(ratio, 2),
-                             "%.0f%%" % (100 * fraction), "%.0f%%" % (100 * peer_fraction), needs,
+                             "%.0f%%" % (100 * fraction), percent(peer_fraction), needs,
                              wanted or "-", "-" if ok is None else verdict(ok)])
     return rows
 
