@@ -264,3 +264,13 @@ def markdown_table(header, rows, right=()):
 
 def verdict(ok):
     return "PASS" if ok else "MISS"
+
+
+def peak_share(flops, ms, peak):
+    """The fraction of `peak` (FLOP/s) that `flops` done in `ms` milliseconds take."""
+    return flops / (ms * 1e-3) / peak
+
+
+def percent(fraction):
+    """A fraction as a whole percentage; n/a for NaN (a case that did not run)."""
+    return "n/a" if fraction != fraction else "%.0f%%" % (100 * fraction)

@@ -28,7 +28,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import (Rounds, compiler_and_flags, fma_peak, log,  # noqa: E402
-                          machine_line, markdown_table, require_binary, rounds_arguments, verdict)
+                          machine_line, markdown_table, peak_share, percent, require_binary,
+                          rounds_arguments, verdict)
 
 FORMATS = [(0, "float (Same)"), (1, "Float16"), (2, "BFloat16"), (3, "Int8"),
            (4, "BFloat16, vdpbf16ps"), (5, "Int8, VNNI")]
@@ -78,7 +79,7 @@ def main():
             flops = 4.0 * QUERY_HEADS * tokens * HEAD_DIM
             of_peak, needs = "-", "-"
             if storage in FLOAT_ARITHMETIC:
-                of_peak = "%.0f%%" % (100 * flops / (median(name) * 1e-3) / peak)
+                of_peak = percent(peak_share(flops, median(name), peak))
             target = ""
             if tokens == TARGET_TOKENS and storage in TARGET_SPEEDUP:
                 met = speedup >= TARGET_SPEEDUP[storage] and fraction >= TARGET_BANDWIDTH
@@ -86,8 +87,7 @@ def main():
                 target = "%s (>= %.1fx, >= %.0f%%)" % (verdict(met), TARGET_SPEEDUP[storage],
                                                        100 * TARGET_BANDWIDTH)
                 if storage in FLOAT_ARITHMETIC:
-                    wanted_ms = median(base) / TARGET_SPEEDUP[storage]
-                    needs = "%.0f%%" % (100 * flops / (wanted_ms * 1e-3) / peak)
+                    needs = percent(peak_share(flops, median(base) / TARGET_SPEEDUP[storage], peak))
             rows.append([tokens, label, "%.1f" % (bytes_streamed / 2**20), "%.3f" % median(name),
                          "%.2f" % speedup, "%.1f" % (bandwidth / 1e9),
                          "%.0f%%" % (100 * fraction), of_peak, needs, target])

@@ -40,8 +40,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import (ONE_THREAD, benchmark_names, compiler_and_flags, fma_peak,  # noqa: E402
-                          loaded_libraries, log, machine_line, markdown_table, require_binary,
-                          run_benchmarks, timed_median, verdict)
+                          loaded_libraries, log, machine_line, markdown_table, peak_share,
+                          percent, require_binary, run_benchmarks, timed_median, verdict)
 
 EMBED_DIM = 512
 HEADS = 8
@@ -274,15 +274,14 @@ def main():
         mine, other = ours[key], theirs[key]["median_ms"]
         ratio = other / mine["median_ms"]
         flops = layer_flops(batch, tokens)
-        theirs_of_peak = flops / (other * 1e-3) / peak[0]
+        theirs_of_peak = peak_share(flops, other, peak[0])
         rows.append(["(%d, %d, %d)" % (batch, tokens, EMBED_DIM), repeats_for(batch, tokens),
                      "%.2f" % mine["median_ms"], fmt("%.2f", mine["allocating_ms"]),
                      fmt("%.2f", mine["allocating_ms"] / mine["median_ms"]),
                      fmt("%.0f%%", 100 * mine["projection_flops"] / peak[0]), "%.2f" % other,
                      "%.2fx faster" % ratio if ratio >= 1 else "%.2fx slower" % (1 / ratio),
-                     "%.0f%%" % (100 * flops / (mine["median_ms"] * 1e-3) / peak[0]),
-                     "%.0f%%" % (100 * theirs_of_peak),
-                     "%.0f%%" % (100 * wanted_ratio(tokens) * theirs_of_peak)])
+                     percent(peak_share(flops, mine["median_ms"], peak[0])),
+                     percent(theirs_of_peak), percent(wanted_ratio(tokens) * theirs_of_peak)])
     print("\n".join(markdown_table(
         ["shape (B, T, E)", "repeats", "ours (ms)", "allocating (ms)", "allocating / ours",
          "projection % of peak", "PyTorch (ms)", "PyTorch / ours", "ours: layer % of peak",

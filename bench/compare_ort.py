@@ -30,7 +30,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import (compiler_and_flags, fma_peak, log, machine_line,  # noqa: E402
-                          markdown_table, require_binary, run_benchmarks, threads_env, verdict)
+                          markdown_table, peak_share, percent, require_binary, run_benchmarks,
+                          threads_env, verdict)
 
 SCRIPT = "compare_ort.py"
 D = 64
@@ -155,10 +156,6 @@ def fmt(value, digits=3):
     return "n/a" if value != value else "%.*f" % (digits, value)
 
 
-def percent(fraction):
-    return "n/a" if fraction != fraction else "%.0f%%" % (100 * fraction)
-
-
 def main_rows(sizes, threads_list, ours, theirs, peak, targets):
     rows = []
     for op, heads in cases():
@@ -166,8 +163,8 @@ def main_rows(sizes, threads_list, ours, theirs, peak, targets):
             for t in threads_list:
                 mine, (other, graph) = ours[(n, t)][(op, heads)], theirs[(n, t)][(op, heads)]
                 ratio = other / mine
-                fraction = useful_flops(op, n, heads) / (mine * 1e-3) / (peak * t)
-                peer_fraction = useful_flops(op, n, heads) / (other * 1e-3) / (peak * t)
+                fraction = peak_share(useful_flops(op, n, heads), mine, peak * t)
+                peer_fraction = peak_share(useful_flops(op, n, heads), other, peak * t)
                 wanted, ok, needs = "", None, "-"
                 if op == "full":
                     wanted, ok = ">= %.1fx" % FULL_RATIO, ratio >= FULL_RATIO
@@ -181,7 +178,7 @@ def main_rows(sizes, threads_list, ours, theirs, peak, targets):
                 if ok is not None:
                     targets.append(ok)
                 rows.append([LABELS[op], n, heads, t, fmt(mine), fmt(other), graph, fmt(ratio, 2),
-                             "%.0f%%" % (100 * fraction), percent(peer_fraction), needs,
+                             percent(fraction), percent(peer_fraction), needs,
                              wanted or "-", "-" if ok is None else verdict(ok)])
     return rows
 
