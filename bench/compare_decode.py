@@ -18,6 +18,11 @@ of BM_stream_sum's, and for the formats computed in float its products' fraction
 (build/bench/attn_peak_fma_bench, run first) and the fraction the speed-up target would take.
 Targets (at 16k tokens): float16 and bfloat16 at least 1.8x the float step, int8 at least 3x, each
 at 80% or more of the bandwidth for its bytes.
+With one thread it then prints where a step's time goes, for the formats computed in float
+(BM_decode_phase, same run): per key and key/value head, the scores, the online softmax and the
+values each alone, their sum, the whole tile, the step itself, and what the target leaves a step
+at 16k tokens (the float step's time over the target speed-up): where the phases alone already
+take more, the target is beyond the kernels as they run.
 
 Standard library only; run it with /usr/bin/python3.
 """
@@ -39,7 +44,7 @@ TARGET_TOKENS = 16384
 # Formats whose scores and values are float multiply-adds on the widened keys and values: their
 # step cannot beat its products at the FMA peak.
 FLOAT_ARITHMETIC = (0, 1, 2, 3)
-QUERY_HEADS, HEAD_DIM = 32, 128
+QUERY_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
 def case_name(tokens, storage):
@@ -52,6 +57,36 @@ def case_name(tokens, storage):
     return "BM_decode_stored/tokens:%d/storage:%d" % (tokens, storage)
 
 
+def phase_name(phase, storage):
+    """BM_decode_phase: 0 scores, 1 online softmax, 2 values, 3 the whole tile, alone."""
+    return "BM_decode_phase/phase:%d/storage:%d" % (phase, storage)
+
+
+def phase_rows(median, peak_one_core):
+    """The phase table: per key and key/value head, each phase alone, their sum, the whole tile,
+    the step (at each length) and what the speed-up target leaves a step at 16k tokens."""
+    def per_key_ns(name, keys):
+        return median(name) * 1e6 / keys
+
+    tile_keys = 8 * 64  # BM_decode_phase: 8 tiles of 64 keys, one per key/value head
+    float_step = per_key_ns(case_name(TARGET_TOKENS, 0), TARGET_TOKENS * KV_HEADS)
+    rows = []
+    for storage, label in FORMATS:
+        if storage not in FLOAT_ARITHMETIC:
+            continue
+        phases = [per_key_ns(phase_name(p, storage), tile_keys) for p in range(4)]
+        # 4 heads x 2 d flops per key for the scores, the same for the values
+        products = 2.0 * (QUERY_HEADS // KV_HEADS) * HEAD_DIM
+        share = [percent(peak_share(products, phases[p] * 1e-6, peak_one_core)) for p in (0, 2)]
+        steps = ["%.1f" % per_key_ns(case_name(t, storage), t * KV_HEADS) for t in (1024, 16384)]
+        allows = "-"
+        if storage in TARGET_SPEEDUP:
+            allows = "%.1f" % (float_step / TARGET_SPEEDUP[storage])
+        rows.append([label] + ["%.1f" % x for x in phases[:3]] + ["%.1f" % sum(phases[:3]),
+                     "%.1f" % phases[3]] + steps + [allows] + share)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     args = rounds_arguments(parser)
@@ -59,6 +94,7 @@ def main():
     binary = require_binary(args.build, "attn_decode_bench", script)
     token_counts = [1024, 4096, 16384]
     names = ["BM_stream_sum"] + [case_name(t, s) for t in token_counts for s, _ in FORMATS]
+    names += [phase_name(phase, s) for s in FLOAT_ARITHMETIC for phase in range(4)]
     log("%s: FMA peak (attn_peak_fma_bench) ..." % script)
     peak = fma_peak(args.build, args.min_time, 3, script)[0] * args.threads
     rounds = Rounds(binary, names, args, script)
@@ -117,6 +153,18 @@ def main():
           "vdpbf16ps rows: -); the target column's need is that count over the float step's "
           "time / the target: above 100%, float arithmetic cannot meet it on this machine")
     print("Targets at %d tokens: %s" % (TARGET_TOKENS, verdict(all_met)))
+    if args.threads == 1:
+        print()
+        print("Where a step's time goes (BM_decode_phase, same run): ns per key and key/value head "
+              "(4 query heads); the phases alone over 8 tiles of 64 keys in the second-level "
+              "cache, the whole tile (`decode_tile`), the step over the cache, and the float step "
+              "at %d tokens over the speed-up target" % TARGET_TOKENS)
+        print()
+        header = ["storage", "scores", "softmax", "values", "sum of the three", "tile",
+                  "step, 1k tokens", "step, 16k tokens", "the target allows", "scores % of FMA peak",
+                  "values % of FMA peak"]
+        print("\n".join(markdown_table(header, phase_rows(median, peak),
+                                       right=range(1, len(header)))))
 
 
 if __name__ == "__main__":

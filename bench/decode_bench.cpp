@@ -13,12 +13,16 @@
 // BM_decode_naive is the plain-loop baseline (scores, softmax, weighted sum per query head). Both
 // write into an output allocated before the timing (`attend`'s caller-storage overload).
 // BM_decode_step and BM_decode_int8_arithmetic also run over a short cache of 128 tokens, where
-// the cost of a step outside its tiles shows.
+// the cost of a step outside its tiles shows. BM_decode_phase times the phases of the step's tiles
+// alone (scores, online softmax, values) and whole; compare_decode.py prints them per key.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "bench_support.hpp"
@@ -94,6 +98,114 @@ void BM_decode_int8_arithmetic(benchmark::State& state) {
   state.counters["vnni"] = attn::int8_arithmetic() ? 1 : 0;
   time_steps(state, filled_cache(state.range(0), attn::KVStorage::Int8));
   attn::set_int8_arithmetic(false);
+}
+
+/// The phases of decoding tiles, alone, over 8 tiles of 64 keys (one per key/value head, d = 128,
+/// 4 query heads each; 256 KiB of float keys, 64 KiB in int8, as many values: in the second-level
+/// cache of the project's machines, where a step's arithmetic rather than its reads decides): 0 the
+/// scores, 1 the online softmax, 2 the weighted sum of the values, 3 the whole tile
+/// (`detail::decode_tile`: the three with what joins them). The second argument is the storage
+/// format (0-3, as `KVStorage`). `per_key` is the time per key and key/value head; `flops`
+/// counts the phase's products (4 heads x 2 d per key for the scores and for the values, both for
+/// a tile), to set beside `attn_peak_fma_bench`. The sum of phases 0-2 against phase 3 is what the
+/// tile loses between its phases; phase 3 against `BM_decode_stored`'s time per token (over 8
+/// heads) is what the step adds around its tiles. The stored formats' scores take the AVX-512 4 x 4
+/// blocks where the build has them, as the step does.
+void BM_decode_phase(benchmark::State& state) {
+  namespace detail = attn::detail;
+  constexpr Index tile = 64;
+  constexpr Index group = 4;  // query heads per key/value head
+  const int phase = static_cast<int>(state.range(0));
+  const auto format = static_cast<attn::KVStorage>(state.range(1));
+  const Index rows = kv_heads * tile;
+  const attn::Matrix<float> keys = attn_bench::random_matrix<float>(rows, head_dim, 1);
+  const attn::Matrix<float> values = attn_bench::random_matrix<float>(rows, head_dim, 2);
+  detail::StoredRows<float> K(format, rows, head_dim);
+  detail::StoredRows<float> V(format, rows, head_dim);
+  for (Index r = 0; r < rows; ++r) {
+    K.put(r, keys.row(r).data());
+    V.put(r, values.row(r).data());
+  }
+  detail::DecodeScratch<float> scratch;
+  scratch.q_scaled = attn_bench::random_matrix<float>(group, head_dim, 3) /
+                     std::sqrt(static_cast<float>(head_dim));
+  scratch.s = attn::Matrix<float>::Zero(group, tile);
+  scratch.alpha.resize(group);
+  detail::ScoreRule<float> rule;
+  rule.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  const auto heads = std::make_index_sequence<std::size_t(group)>();
+  const detail::PrefetchRows none{};
+  float* s = scratch.s.data();
+  const Index s_stride = scratch.s.outerStride();
+  detail::with_codec<float>(format, [&](auto codec) {
+    using Codec = decltype(codec);
+    const auto K_all = [&] {
+      if constexpr (std::is_same_v<Codec, detail::SameCodec<float>>) {
+        return detail::ConstRef<float>(K.same());
+      } else {
+        return K.template block<Codec>(0, rows);
+      }
+    }();
+    const auto V_all = [&] {
+      if constexpr (std::is_same_v<Codec, detail::SameCodec<float>>) {
+        return detail::ConstRef<float>(V.same());
+      } else {
+        return V.template block<Codec>(0, rows);
+      }
+    }();
+    const auto* k_data = detail::block_data(K_all);
+    const auto* v_data = detail::block_data(V_all);
+    const float* k_scales = detail::block_scales<float>(K_all);
+    for (auto _ : state) {
+      scratch.state.start(group, head_dim, std::nullopt);
+      for (Index h = 0; h < kv_heads; ++h) {
+        const Index j0 = h * tile;
+        switch (phase) {
+          case 0: {
+            const auto* K_tile = k_data + j0 * head_dim;
+            const float* scales = k_scales ? k_scales + j0 : nullptr;
+            Index done = 0;
+#if defined(EIGEN_VECTORIZE_AVX512)
+            if constexpr (!std::is_same_v<Codec, detail::SameCodec<float>>) {
+              done = detail::decode_scores_4x4<Codec>(scratch.q_scaled.data(), head_dim, K_tile,
+                                                      scales, head_dim, tile, head_dim, s, s_stride,
+                                                      none);
+            }
+#endif
+            if (done < tile) {
+              detail::decode_scores<float, Codec>(heads, scratch.q_scaled.data(), head_dim,
+                                                  K_tile + done * head_dim,
+                                                  scales ? scales + done : nullptr, head_dim,
+                                                  tile - done, head_dim, s + done, s_stride, none);
+            }
+            break;
+          }
+          case 1:
+            detail::online_softmax_rows<float>(s, s_stride, group, tile, scratch.state.m.data(),
+                                               scratch.state.l.data(), scratch.alpha.data());
+            break;
+          case 2:
+            for (Index c0 = 0; c0 < head_dim; c0 += 64) {
+              detail::decode_values<float, Codec, 4>(
+                  heads, s, s_stride, scratch.alpha.data(), v_data + j0 * head_dim + c0, head_dim,
+                  tile, scratch.state.o.data() + c0, scratch.state.o.outerStride(), none);
+            }
+            break;
+          default:
+            detail::decode_tile<float, group>(0, K_all, V_all, j0, tile, rule, scratch);
+        }
+      }
+      benchmark::DoNotOptimize(scratch.state.o.data());
+      benchmark::DoNotOptimize(s);
+      benchmark::ClobberMemory();
+    }
+  });
+  const double keys_done = static_cast<double>(state.iterations() * rows);
+  state.counters["per_key"] =
+      benchmark::Counter(keys_done, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  const double products = phase == 1 ? 0.0 : phase == 3 ? 2.0 : 1.0;
+  state.counters["flops"] = benchmark::Counter(keys_done * products * 2.0 * group * head_dim,
+                                               benchmark::Counter::kIsRate);
 }
 
 void BM_decode_naive(benchmark::State& state) {
@@ -181,6 +293,11 @@ BENCHMARK(BM_decode_bf16_arithmetic)->Apply(cache_lengths);
 BENCHMARK(BM_decode_int8_arithmetic)->Apply(cache_lengths);
 BENCHMARK(BM_decode_step)->Apply(short_cache);
 BENCHMARK(BM_decode_int8_arithmetic)->Apply(short_cache);
+BENCHMARK(BM_decode_phase)
+    ->ArgsProduct({{0, 1, 2, 3}, {0, 1, 2, 3}})
+    ->ArgNames({"phase", "storage"})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
 BENCHMARK(BM_decode_naive)
     ->Arg(1024)
     ->Arg(16384)
