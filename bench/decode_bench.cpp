@@ -109,8 +109,11 @@ void BM_decode_int8_arithmetic(benchmark::State& state) {
 /// counts the phase's products (4 heads x 2 d per key for the scores and for the values, both for
 /// a tile), to set beside `attn_peak_fma_bench`. The sum of phases 0-2 against phase 3 is what the
 /// tile loses between its phases; phase 3 against `BM_decode_stored`'s time per token (over 8
-/// heads) is what the step adds around its tiles. The stored formats' scores take the AVX-512 4 x 4
-/// blocks where the build has them, as the step does.
+/// heads) is what the step adds around its tiles. Phases 0 and 2 call the kernels that
+/// `detail::decode_tile` picks with float arithmetic (no `set_bfloat16_arithmetic` or
+/// `set_int8_arithmetic`), in its order: a change to its steps 1 and 3 must be made here too.
+/// (Splitting those steps out of `decode_tile` into functions this could call changed GCC 12's
+/// code for the step: 1.02-1.09x its time at 1k tokens with stored keys, 2026-12-04.)
 void BM_decode_phase(benchmark::State& state) {
   namespace detail = attn::detail;
   constexpr Index tile = 64;
@@ -139,20 +142,16 @@ void BM_decode_phase(benchmark::State& state) {
   const Index s_stride = scratch.s.outerStride();
   detail::with_codec<float>(format, [&](auto codec) {
     using Codec = decltype(codec);
-    const auto K_all = [&] {
+    // The rows as the step reads them: the matrix itself for `Same`, else a `StoredBlock`.
+    const auto as_read = [&](const detail::StoredRows<float>& X) {
       if constexpr (std::is_same_v<Codec, detail::SameCodec<float>>) {
-        return detail::ConstRef<float>(K.same());
+        return detail::ConstRef<float>(X.same());
       } else {
-        return K.template block<Codec>(0, rows);
+        return X.template block<Codec>(0, rows);
       }
-    }();
-    const auto V_all = [&] {
-      if constexpr (std::is_same_v<Codec, detail::SameCodec<float>>) {
-        return detail::ConstRef<float>(V.same());
-      } else {
-        return V.template block<Codec>(0, rows);
-      }
-    }();
+    };
+    const auto K_all = as_read(K);
+    const auto V_all = as_read(V);
     const auto* k_data = detail::block_data(K_all);
     const auto* v_data = detail::block_data(V_all);
     const float* k_scales = detail::block_scales<float>(K_all);
@@ -162,6 +161,8 @@ void BM_decode_phase(benchmark::State& state) {
         const Index j0 = h * tile;
         switch (phase) {
           case 0: {
+            // decode_tile's step 1 with the float arithmetic's kernels: the 4 x 4 blocks for
+            // stored keys where the build has AVX-512, the key-by-key loop for the rest.
             const auto* K_tile = k_data + j0 * head_dim;
             const float* scales = k_scales ? k_scales + j0 : nullptr;
             Index done = 0;
@@ -185,6 +186,7 @@ void BM_decode_phase(benchmark::State& state) {
                                                scratch.state.l.data(), scratch.alpha.data());
             break;
           case 2:
+            // decode_tile's step 3: passes of 4 packets (64 columns) for 4 heads.
             for (Index c0 = 0; c0 < head_dim; c0 += 64) {
               detail::decode_values<float, Codec, 4>(
                   heads, s, s_stride, scratch.alpha.data(), v_data + j0 * head_dim + c0, head_dim,
