@@ -152,6 +152,21 @@ void BM_Flash(benchmark::State& state) {
       state, [&] { attn::flash_attention(c.Q, c.K, c.V, c.options, c.O); }, c.O.data(), c.flops());
 }
 
+/// The tiled kernel's overflow guard alone (`detail::product_may_overflow`: max |q| and max |k|,
+/// one pass over Q and one over K), on `BM_Flash`'s case; its FLOP/s counter is the call's flops
+/// over the guard's time, so that the guard's share of a call is the ratio of the two counters.
+/// docs/benchmarks.md runs both in one process:
+///   build/bench/attn_bench --benchmark_filter='BM_Flash(OverflowGuard)?<float>/n:(64|128|256|1024|4096)/d:(64|128)/causal:0/window:0/'
+template <class T>
+void BM_FlashOverflowGuard(benchmark::State& state) {
+  Single<T> c(state, true);
+  bool may_overflow = false;
+  const T scale = T(1) / std::sqrt(static_cast<T>(c.d));
+  time_calls(
+      state, [&] { may_overflow = attn::detail::product_may_overflow<T>(c.Q, c.K, scale); },
+      &may_overflow, c.flops());
+}
+
 /// `BM_Flash<float>` (n = 2048, one head) with the given tile sizes, to compare them in one run:
 ///   build/bench/attn_bench --benchmark_filter=BM_FlashTiles --benchmark_repetitions=3
 /// Arguments (n, d, causal, query rows, key columns): 72 x 128 (the defaults until 2026-12) and the
@@ -241,6 +256,14 @@ BENCHMARK(BM_Flash<float>)
     ->UseRealTime();
 BENCHMARK(BM_Flash<float>)
     ->ArgsProduct({{2048, 4096}, {64}, {1}, {256}})
+    ->ArgNames({"n", "d", "causal", "window"})
+    ->UseRealTime();
+BENCHMARK(BM_Flash<float>)
+    ->ArgsProduct({{64, 128, 256}, {64, 128}, {0}, {0}})
+    ->ArgNames({"n", "d", "causal", "window"})
+    ->UseRealTime();
+BENCHMARK(BM_FlashOverflowGuard<float>)
+    ->ArgsProduct({{64, 128, 256, 1024, 4096}, {64, 128}, {0}, {0}})
     ->ArgNames({"n", "d", "causal", "window"})
     ->UseRealTime();
 BENCHMARK(BM_FlashTiles)

@@ -194,6 +194,18 @@ TYPED_TEST(RingAttention, WindowsAlibiSoftcapSinkScale) {
   attn::AttentionOptions<T> right;
   right.window_right = 5;
   check_case<T>("window_right 5 alone", 90, 90, 8, 8, right, false, 11);
+  // Bounds of any Index value keep their meaning (no overflow in the ring's visibility test or in
+  // a piece's query offset): "no limit" windows, and queries placed far after or before the keys.
+  constexpr Index huge = std::numeric_limits<Index>::max();
+  attn::AttentionOptions<T> unbounded;
+  unbounded.window = huge;
+  unbounded.window_right = huge;
+  check_case<T>("windows INT64_MAX", 90, 90, 8, 8, unbounded, false, 27);
+  unbounded.causal = attn::Causal::TopLeft;
+  unbounded.query_offset = huge - 200;
+  check_case<T>("causal, query_offset INT64_MAX - 200", 90, 90, 8, 8, unbounded, true, 28);
+  unbounded.query_offset = std::numeric_limits<Index>::min() + 1;
+  check_case<T>("causal, query_offset INT64_MIN + 1", 90, 90, 8, 8, unbounded, false, 29);
   attn::AttentionOptions<T> many;
   many.causal = attn::Causal::BottomRight;
   many.alibi_slope = T(0.125);

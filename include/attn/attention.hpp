@@ -92,6 +92,16 @@ AttentionTrace<typename DQ::Scalar> trace_attention(
   AttentionTrace<T> trace;
   detail::scores_kernel<T>(q, k, T(1), trace.scores);
   trace.scaled = rule.scale * trace.scores;
+  // A score that came out not finite is computed again in the other paths' order, (scale q) . k:
+  // the raw sum may have overflowed where the scaled score is finite (entries near 1e19 with a
+  // scale of 1e-38), or met two infinities that the scaled sum does not.
+  for (Index i = 0; i < q.rows(); ++i) {
+    for (Index j = 0; j < k.rows(); ++j) {
+      if (!std::isfinite(trace.scaled(i, j))) {
+        trace.scaled(i, j) = (rule.scale * q.row(i)).dot(k.row(j));
+      }
+    }
+  }
   rule.apply_softcap(trace.scaled);
   trace.masked = trace.scaled;
   rule.apply_tables(trace.masked, 0, 0);

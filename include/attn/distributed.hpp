@@ -121,7 +121,10 @@ inline RowLayout contiguous_layout(const std::vector<Index>& counts) {
 /// chunk c = [c total / 2P, (c + 1) total / 2P); rank r holds chunks r and 2P - 1 - r.
 inline RowLayout zigzag_layout(Index total, int ranks) {
   const Index chunks = 2 * static_cast<Index>(ranks);
-  const auto bound = [&](Index c) { return c * total / chunks; };
+  const auto bound = [&](Index c) {  // c total / chunks without overflow: c <= chunks
+    return c / chunks * total + (c % chunks) * (total / chunks) +
+           (c % chunks) * (total % chunks) / chunks;
+  };
   RowLayout layout;
   for (int r = 0; r < ranks; ++r) {
     RowRanges ranges;
@@ -214,17 +217,13 @@ template <class T>
 bool pair_visible(const AttentionOptions<T>& options, Index shift, std::pair<Index, Index> queries,
                   std::pair<Index, Index> keys) {
   if (queries.first >= queries.second || keys.first >= keys.second) return false;
-  const Index first = queries.first + shift;      // the first query's position
-  const Index last = queries.second - 1 + shift;  // the last one's
-  // The highest key any query may see.
-  std::optional<Index> highest;
-  if (options.causal != Causal::None) highest = last;
-  if (options.window_right) {
-    highest =
-        highest ? std::min(*highest, last + *options.window_right) : last + *options.window_right;
-  }
-  if (highest && keys.first > *highest) return false;
-  if (options.window && keys.second - 1 < first - *options.window) return false;
+  // Exact in a wider type: any shift and window, however large, keeps its meaning.
+  const WideIndex first = wide(queries.first) + wide(shift);      // the first query's position
+  const WideIndex last = wide(queries.second - 1) + wide(shift);  // the last one's
+  const WideIndex key_first = wide(keys.first);
+  if (options.causal != Causal::None && last < key_first) return false;
+  if (options.window_right && last + wide(*options.window_right) < key_first) return false;
+  if (options.window && wide(keys.second - 1) < first - wide(*options.window)) return false;
   return true;
 }
 
@@ -297,7 +296,8 @@ void for_each_pair(const RowRanges& queries, const RowRanges& keys, Index shift,
         const Index rows = std::min(ring_query_rows, query_count - c0);
         const Index first = query_local + c0;
         if (!pair_visible(options, shift, {q.first + c0, q.first + c0 + rows}, k)) continue;
-        pair.query_offset = q.first + c0 + shift - k.first;
+        pair.query_offset =
+            narrow_clamped(wide(q.first + c0) + wide(shift) - wide(k.first), index_min, index_max);
         if (in.mask) pair.mask = Mask(in.mask->block(first, k.first, rows, key_count));
         if (in.bias) pair.bias = Matrix<T>(in.bias->block(first, k.first, rows, key_count));
         work(first, rows, key_local, k.first, key_count);
@@ -477,7 +477,9 @@ class RingPlan {
       mpi_check(MPI_Allgather(&mine.m, 1, MPI_INT64_T, key_rows.data(), 1, MPI_INT64_T, comm_),
                 "MPI_Allgather");
       std::int64_t all_keys = 0;
-      for (const std::int64_t rows : key_rows) all_keys += rows;
+      for (const std::int64_t rows : key_rows) {
+        all_keys = checked_add("ring_attention", all_keys, rows, "the keys of every rank");
+      }
       if (local_error.empty()) {
         try {
           check_options("ring_attention", options, static_cast<Index>(mine.n),
@@ -497,8 +499,8 @@ class RingPlan {
     for (const RingSizes& s : sizes_) {
       query_counts.push_back(static_cast<Index>(s.n));
       key_counts.push_back(static_cast<Index>(s.m));
-      N_ += static_cast<Index>(s.n);
-      M_ += static_cast<Index>(s.m);
+      N_ = checked_add("ring_attention", N_, static_cast<Index>(s.n), "the queries of every rank");
+      M_ = checked_add("ring_attention", M_, static_cast<Index>(s.m), "the keys of every rank");
     }
     shift_ = query_position(options, N_, M_);
     query_home_ = contiguous_layout(query_counts);

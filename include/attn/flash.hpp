@@ -253,17 +253,80 @@ void flash_block(ConstRef<T> Q, const KBlock& K, const VBlock& V, const PackedKe
   repair_rows<T>(Q, K, V, rule, i0, rows, O, lse);
 }
 
+/// The largest |k| a block of keys may hold: scanned for T, bfloat16 and int8 (its scales), the
+/// format's largest finite value for float16.
+template <class T>
+T largest_key(ConstRef<T> K) {
+  if (K.size() == 0) return T(0);
+  if (K.outerStride() == K.cols()) {  // one contiguous run: a third of the time of the Ref's rows
+    return Eigen::Map<const Vector<T>>(K.data(), K.size()).cwiseAbs().maxCoeff();
+  }
+  T largest = T(0);
+  for (Index j = 0; j < K.rows(); ++j) largest = std::max(largest, K.row(j).cwiseAbs().maxCoeff());
+  return largest;
+}
+template <class T, class Codec>
+T largest_key(const StoredBlock<Codec, T>& K) {
+  if constexpr (std::is_same_v<Codec, Float16Codec>) {
+    return T(65504);
+  } else if constexpr (std::is_same_v<Codec, Int8Codec>) {
+    T largest = T(0);
+    for (Index j = 0; j < K.rows(); ++j) largest = std::max(largest, std::abs(K.scale(j)));
+    return T(127) * largest;
+  } else {
+    std::uint16_t bits = 0;  // |x| orders like the bits below the sign (NaN above infinity)
+    for (Index j = 0; j < K.rows(); ++j) {
+      const typename Codec::Bits* row = K.data() + j * K.outerStride();
+      for (Index c = 0; c < K.cols(); ++c) {
+        bits = std::max<std::uint16_t>(
+            bits, Eigen::numext::bit_cast<std::uint16_t>(row[c]) & std::uint16_t(0x7fff));
+      }
+    }
+    return T(static_cast<float>(Eigen::numext::bit_cast<typename Codec::Bits>(bits)));
+  }
+}
+
+/// Whether `scale (Q K^T)`, computed as the tiles compute it (the sum first, then the scale),
+/// could overflow T where `(scale Q) K^T` would not: |q . k| <= d max|q| max|k|, with half the
+/// range kept for the rounding of the partial sums. NaN entries leave the answer false.
+template <class T, class KBlock>
+bool product_may_overflow(ConstRef<T> Q, const KBlock& K, T scale) {
+  if (Q.size() == 0 || K.rows() == 0 || !(std::abs(scale) < T(1))) return false;
+  using Wide = std::conditional_t<std::is_same_v<T, float>, double, long double>;
+  const Wide limit = Wide(std::numeric_limits<T>::max()) / 2;
+  const Wide q = Wide(largest_key<T>(Q)) * Wide(Q.cols());
+  if (!(q * Wide(std::numeric_limits<T>::max()) > limit)) return false;  // no key can overflow it
+  return q * Wide(largest_key<T>(K)) > limit;
+}
+
+/// Calls `run(Q, rule)` with the scale applied to the queries first when the tiles' product
+/// could overflow (`product_may_overflow`): the materialised path's order, `(scale Q) K^T`, for
+/// the price of a copy of Q in the rare calls that need it.
+template <class T, class KBlock, class Run>
+void with_safe_scale(ConstRef<T> Q, const KBlock& K, const ScoreRule<T>& rule, Run&& run) {
+  if (!product_may_overflow<T>(Q, K, rule.scale)) {
+    run(Q, rule);
+    return;
+  }
+  const Matrix<T> scaled = rule.scale * Q;
+  ScoreRule<T> unit = rule;
+  unit.scale = T(1);
+  run(ConstRef<T>(scaled), unit);
+}
+
 /// The query blocks [0, n) of one head, on this thread: the tiled path of `run_path` (K and V
 /// blocks of T or `StoredBlock`s).
 template <class T, class KBlock, class VBlock>
 void flash_blocks(ConstRef<T> Q, const KBlock& K, const VBlock& V, const ScoreRule<T>& rule,
                   const FlashTiles& tiles, FlashScratch<T>& scratch, Eigen::Ref<Matrix<T>> O,
                   T* lse) {
-  const PackedKeys<T> keys = pack_for_scores<T>(Q, K, V);
-  for (Index i0 = 0; i0 < Q.rows(); i0 += tiles.query_rows) {
-    flash_block<T>(Q, K, V, keys, rule, tiles, i0, std::min(tiles.query_rows, Q.rows() - i0),
-                   scratch, O, lse);
-  }
+  with_safe_scale<T>(Q, K, rule, [&](ConstRef<T> Q_s, const ScoreRule<T>& rule_s) {
+    const PackedKeys<T> keys = pack_for_scores<T>(Q_s, K, V);
+    for (Index i0 = 0; i0 < Q_s.rows(); i0 += tiles.query_rows) {
+      flash_block<T>(Q_s, K, V, keys, rule_s, tiles, i0,
+                     std::min(tiles.query_rows, Q_s.rows() - i0), scratch, O, lse);
+    }
+  });
 }
 
 /// The tiled kernel over all query blocks, in parallel when OpenMP is on: each thread packs K for
@@ -284,11 +347,13 @@ void flash_kernel_on(ConstRef<T> Q, const KBlock& K, const VBlock& V, const Scor
   if (n == 0) return;
   const Index blocks = (n + tiles.query_rows - 1) / tiles.query_rows;
   const double flops = attention_flops(n, K.rows(), K.cols(), V.cols());
-  parallel_for<FlashScratch<T>>(blocks, flops, [&](Index b, FlashScratch<T>& scratch) {
-    if (!scratch.keys) scratch.keys = pack_for_scores<T>(Q, K, V);
-    const Index i0 = (blocks - 1 - b) * tiles.query_rows;
-    flash_block<T>(Q, K, V, *scratch.keys, rule, tiles, i0, std::min(tiles.query_rows, n - i0),
-                   scratch, O, lse);
+  with_safe_scale<T>(Q, K, rule, [&](ConstRef<T> Q_s, const ScoreRule<T>& rule_s) {
+    parallel_for<FlashScratch<T>>(blocks, flops, [&](Index b, FlashScratch<T>& scratch) {
+      if (!scratch.keys) scratch.keys = pack_for_scores<T>(Q_s, K, V);
+      const Index i0 = (blocks - 1 - b) * tiles.query_rows;
+      flash_block<T>(Q_s, K, V, *scratch.keys, rule_s, tiles, i0,
+                     std::min(tiles.query_rows, n - i0), scratch, O, lse);
+    });
   });
 }
 

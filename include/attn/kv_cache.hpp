@@ -96,8 +96,9 @@ class KVCache {
   /// after one append of `tokens` rows to such a cache without a window. Per token and key/value
   /// head: (d_k + d_v) sizeof(T) with `Same`, 2 (d_k + d_v) with Float16 or BFloat16,
   /// d_k + d_v + 2 sizeof(T) with Int8.
+  /// \throws shape_error when the count does not fit in Index (or `tokens` < 0).
   static Index bytes_for(const KVCacheConfig<T>& config, Index tokens) {
-    return KVStore<T>::bytes_for(store_shape(config), tokens);
+    return KVStore<T>::bytes_for(store_shape(config), tokens, "KVCache::bytes_for");
   }
 
   /// Forgets every row (and releases the storage).
@@ -109,7 +110,8 @@ class KVCache {
   /// \param V_new  r x (kv_heads d_v)
   /// \throws shape_error on mismatched shapes.
   /// \note O(r (d_k + d_v) kv_heads) copies (twice with a window); RoPE costs r d_k / 2 sines and
-  ///       cosines. Storage grows (amortised doubling without a window; to w + r rows with one).
+  ///       cosines. Storage grows by amortised doubling (with a window, up to a ring of w + r
+  ///       rows); storage that cannot be allocated is a shape_error, with the cache unchanged.
   template <class DK, class DV>
   void append(const Eigen::MatrixBase<DK>& K_new, const Eigen::MatrixBase<DV>& V_new) {
     static_assert(std::is_same_v<typename DK::Scalar, T> && std::is_same_v<typename DV::Scalar, T>,
@@ -303,14 +305,16 @@ class KVCache {
     if (config_.rope && first < 0) {
       detail::fail(function, "query_offset is ", first, " but RoPE needs positions >= 0");
     }
+    if (config_.rope) detail::checked_add(function, first, Q.rows(), "the queries' positions");
     detail::check_options(function, options, Q.rows(), size());
     const Index heads = Q.cols() / d_k;
     detail::check_head_options(function, options, per_head, heads, Q.rows(), size());
     const std::optional<Index> window = effective_window(options);
-    if (window && store_.dropped_any() && store_.first_recent() > first - *window) {
+    const Index oldest = window ? detail::saturating_sub(first, *window) : 0;
+    if (window && store_.dropped_any() && store_.first_recent() > oldest) {
       detail::fail(function, Q.rows(), " queries with a window of ", *window,
                    " (the first at position ", first, ") need the keys from position ",
-                   std::max<Index>(first - *window, 0), " on, but the cache keeps positions ",
+                   std::max<Index>(oldest, 0), " on, but the cache keeps positions ",
                    store_.first_recent(), " .. ", position() - 1,
                    " only (attend at most as many queries as the last append's rows)");
     }

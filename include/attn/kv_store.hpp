@@ -9,6 +9,7 @@
 #include <optional>
 #include <vector>
 
+#include "detail/checked.hpp"
 #include "detail/stored.hpp"
 #include "error.hpp"
 #include "types.hpp"
@@ -33,18 +34,21 @@ struct KVStoreShape {
 /// (positions first_recent() .. position() - 1).
 ///
 /// Memory per key/value head: without a window, every row (capacity doubles as needed); with a
-/// window w, the pinned rows plus a ring of R = w + (largest append) rows, stored twice (each row is
-/// written at slots s and s + R, so that the last R rows are always one contiguous block):
-/// `pinned_tokens + 2 (w + largest append)` rows, whatever the sequence length. Each row takes
+/// window w, the pinned rows plus a ring of R rows stored twice (each row is written at slots s and
+/// s + R, so that the last R rows are always one contiguous block). The ring grows with the
+/// sequence (doubling, never past w + the largest append): at most
+/// `pinned_tokens + 2 min(w + largest append, 2 (rows appended))` rows, whatever the window. Each row takes
 /// `d sizeof(T)` bytes with `KVStorage::Same`, `2 d` with Float16 or BFloat16, `d + sizeof(T)` with
 /// Int8 (its scale); `bytes()` is the total.
 template <class T>
 class KVStore {
  public:
   /// \throws shape_error on a non-positive width or head count, or a negative window or pinned
-  ///         count. Without a window nothing is dropped, so `pinned_tokens` is ignored (set to 0).
+  ///         count, or pinned rows that cannot be allocated. Without a window nothing is dropped,
+  ///         so `pinned_tokens` is ignored (set to 0).
   /// \param function  the name errors give (the owner's, e.g. "KVCache")
-  explicit KVStore(const KVStoreShape& shape, const char* function = "KVStore") : shape_(shape) {
+  explicit KVStore(const KVStoreShape& shape, const char* function = "KVStore")
+      : shape_(shape), function_(function) {
     static_assert(detail::is_supported_scalar_v<T>, "attn works on floating-point scalars");
     detail::require_positive_size(function, "d_k", shape_.d_k);
     detail::require_positive_size(function, "d_v", shape_.d_v);
@@ -77,10 +81,19 @@ class KVStore {
   }
   /// The bytes `tokens` kept rows take in a store of this shape (keys and values of every head):
   /// what `bytes()` reports after one append of `tokens` rows to a store without a window.
-  static Index bytes_for(const KVStoreShape& shape, Index tokens) {
+  /// \throws shape_error when the count does not fit in Index (or `tokens` < 0).
+  static Index bytes_for(const KVStoreShape& shape, Index tokens,
+                         const char* function = "KVStore::bytes_for") {
+    if (tokens < 0) detail::fail(function, "tokens must be >= 0, got ", tokens);
     const Index scale = shape.storage == KVStorage::Int8 ? 2 * Index(sizeof(T)) : 0;
-    return tokens * shape.kv_heads *
-           ((shape.d_k + shape.d_v) * detail::element_bytes<T>(shape.storage) + scale);
+    const Index width = detail::checked_add(function, shape.d_k, shape.d_v, "d_k + d_v");
+    const Index per_head = detail::checked_add(
+        function, detail::checked_mul(function, width, detail::element_bytes<T>(shape.storage)),
+        scale);
+    return detail::checked_mul(
+        function,
+        detail::checked_mul(function, tokens, shape.kv_heads, "the bytes of", tokens, "tokens"),
+        per_head, "the bytes of", tokens, "tokens");
   }
   /// Pinned rows kept (positions 0 .. pinned_held() - 1).
   Index pinned_held() const { return std::min(total_, shape_.pinned_tokens); }
@@ -96,19 +109,23 @@ class KVStore {
   /// Forgets every row (and releases the storage).
   void clear() {
     const auto heads = static_cast<std::size_t>(shape_.kv_heads);
+    std::vector<detail::StoredRows<T>> pinned_K = allocate(shape_.pinned_tokens, shape_.d_k);
+    std::vector<detail::StoredRows<T>> pinned_V = allocate(shape_.pinned_tokens, shape_.d_v);
     const KVStorage format = shape_.storage;
     K_.assign(heads, detail::StoredRows<T>(format, 0, shape_.d_k));
     V_.assign(heads, detail::StoredRows<T>(format, 0, shape_.d_v));
-    pinned_K_.assign(heads, detail::StoredRows<T>(format, shape_.pinned_tokens, shape_.d_k));
-    pinned_V_.assign(heads, detail::StoredRows<T>(format, shape_.pinned_tokens, shape_.d_v));
+    pinned_K_ = std::move(pinned_K);
+    pinned_V_ = std::move(pinned_V);
     ring_ = 0;
+    largest_append_ = 0;
     total_ = 0;
   }
 
   /// Appends r new positions.
   /// \param K_new  r x (kv_heads d_k), key heads side by side
   /// \param V_new  r x (kv_heads d_v)
-  /// \throws shape_error on other shapes.
+  /// \throws shape_error on other shapes, or when the storage the rows need cannot be allocated
+  ///         (the store is then unchanged).
   void append(const detail::ConstRef<T>& K_new, const detail::ConstRef<T>& V_new) {
     if (K_new.cols() != shape_.kv_heads * shape_.d_k ||
         V_new.cols() != shape_.kv_heads * shape_.d_v || V_new.rows() != K_new.rows()) {
@@ -118,13 +135,24 @@ class KVStore {
     }
     const Index r = K_new.rows();
     if (r == 0) return;
-    // Room: a ring of w + r rows lets the r new queries see their whole windows.
-    const Index recent_after = std::max<Index>(total_ + r - shape_.pinned_tokens, 0);
+    // Room: a ring of w + (largest append) rows lets the r new queries see their whole windows
+    // (and keeps what the largest append's queries would). It grows with the sequence, doubling,
+    // so that a long window costs nothing until the tokens come; while it grows it holds every
+    // recent row, so which rows are kept does not depend on it.
+    const Index recent_after = std::max<Index>(
+        detail::checked_add("KVStore::append", total_, r, "the positions") - shape_.pinned_tokens,
+        0);
     if (shape_.window) {
-      const Index needed = *shape_.window + r;
-      if (needed > ring_) reallocate(needed, 2 * needed);
+      largest_append_ = std::max(largest_append_, r);
+      const Index full = detail::saturating_add(*shape_.window, largest_append_);
+      if (ring_ < std::min(full, recent_after)) {
+        const Index ring =
+            std::min(full, std::max(recent_after, detail::saturating_add(ring_, ring_)));
+        reallocate(ring, detail::checked_mul(function_, ring, 2, "the ring's rows"));
+      }
     } else if (recent_after > K_.front().rows()) {
-      reallocate(0, std::max<Index>(recent_after, 2 * K_.front().rows()));
+      reallocate(
+          0, std::max(recent_after, detail::saturating_add(K_.front().rows(), K_.front().rows())));
     }
     for (std::size_t h = 0; h < K_.size(); ++h) {
       const Index hk = static_cast<Index>(h) * shape_.d_k;
@@ -242,27 +270,48 @@ class KVStore {
     return shape_.window && ring_ > 0 ? (recent_total() - recent_held()) % ring_ : 0;
   }
 
+  /// One block of `rows` x `cols` per key/value head, or a shape_error naming the sizes (and
+  /// nothing changed) when that does not fit in memory.
+  std::vector<detail::StoredRows<T>> allocate(Index rows, Index cols) const {
+    const Index heads = shape_.kv_heads;
+    const Index bytes = detail::checked_mul(
+        function_,
+        detail::checked_mul(function_,
+                            detail::checked_mul(function_, heads, rows, "the storage of"), cols,
+                            "the storage of"),
+        detail::element_bytes<T>(shape_.storage), "the storage of");
+    try {
+      return std::vector<detail::StoredRows<T>>(static_cast<std::size_t>(heads),
+                                                detail::StoredRows<T>(shape_.storage, rows, cols));
+    } catch (const std::bad_alloc&) {
+      detail::fail(function_, "cannot allocate ", heads, " x ", rows, " rows of ", cols, " ",
+                   detail::storage_name(shape_.storage), " values (", bytes, " bytes; window ",
+                   shape_.window ? *shape_.window : -1, ", pinned_tokens ", shape_.pinned_tokens,
+                   ")");
+    }
+  }
+
   /// Moves the kept recent rows into storage of the given size (ring: 2 R rows; linear: rows).
+  /// Everything is allocated before anything moves: on failure the store is unchanged.
   void reallocate(Index new_ring, Index new_rows) {
+    std::vector<detail::StoredRows<T>> K = allocate(new_rows, shape_.d_k);
+    std::vector<detail::StoredRows<T>> V = allocate(new_rows, shape_.d_v);
     const Index start = recent_start();
     const Index kept = recent_held();
     const Index first = recent_total() - kept;  // recent index of the first kept row
+    ring_ = new_ring;                           // slots() of the new storage
     for (std::size_t h = 0; h < K_.size(); ++h) {
-      const detail::StoredRows<T> old_K = std::move(K_[h]);
-      const detail::StoredRows<T> old_V = std::move(V_[h]);
-      K_[h] = detail::StoredRows<T>(shape_.storage, new_rows, shape_.d_k);
-      V_[h] = detail::StoredRows<T>(shape_.storage, new_rows, shape_.d_v);
-      ring_ = new_ring;
       for (Index i = 0; i < kept; ++i) {
         const Slots at = slots(first + i);
         for (const Index slot : {at.first, at.second}) {
           if (slot < 0) continue;
-          K_[h].copy_row(slot, old_K, start + i);
-          V_[h].copy_row(slot, old_V, start + i);
+          K[h].copy_row(slot, K_[h], start + i);
+          V[h].copy_row(slot, V_[h], start + i);
         }
       }
     }
-    ring_ = new_ring;
+    K_ = std::move(K);
+    V_ = std::move(V);
   }
 
   /// The storage rows of recent row q (position k + q): q without a window; in the ring, slot
@@ -287,10 +336,12 @@ class KVStore {
   }
 
   KVStoreShape shape_;
+  const char* function_;                      ///< the name errors give
   std::vector<detail::StoredRows<T>> K_, V_;  ///< per key/value head: ring (2 R rows) or linear
   std::vector<detail::StoredRows<T>> pinned_K_, pinned_V_;  ///< per key/value head: pinned rows
-  Index ring_ = 0;   ///< R, the ring's length (with a window)
-  Index total_ = 0;  ///< rows appended
+  Index ring_ = 0;            ///< R, the ring's length (with a window)
+  Index largest_append_ = 0;  ///< the most rows one append brought (the ring's full length - w)
+  Index total_ = 0;           ///< rows appended
 };
 
 }  // namespace attn

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "attention.hpp"
+#include "detail/checked.hpp"
 #include "error.hpp"
 #include "types.hpp"
 
@@ -110,6 +111,17 @@ struct Outputs {
   std::optional<Tensor<T>> qk_matmul_output;
 };
 
+/// The shapes of the outputs a call would produce (`output_shapes`), for a runtime that infers
+/// shapes or allocates before it runs the operator. Every extent and every element count fits
+/// in `Index`.
+struct OutputShapes {
+  std::vector<Index> Y;              ///< of Q's rank
+  std::vector<Index> present_key;    ///< (batch, kv_heads, total_kv, d); empty when not requested
+  std::vector<Index> present_value;  ///< (batch, kv_heads, total_kv, d_v); empty when not requested
+  std::vector<Index> qk_matmul_output;  ///< (batch, q_heads, q_seq, total_kv); empty when not
+                                        ///< requested
+};
+
 }  // namespace onnx
 
 namespace detail {
@@ -126,14 +138,35 @@ std::string dims(const attn::onnx::Tensor<S>& t) {
   return out.str();
 }
 
-/// Requires non-negative extents whose product is `data.size()`.
-template <class S>
-void require_consistent(const char* name, const attn::onnx::Tensor<S>& t) {
+/// The product of non-negative extents. A shape_error naming `name` when the product of its
+/// non-zero extents does not fit in Index: such a shape has overflowing strides even when an
+/// empty axis makes it hold no element.
+inline Index element_count(const char* name, const std::vector<Index>& shape) {
   Index count = 1;
-  for (const Index extent : t.shape) {
-    if (extent < 0) fail(kFunction, name, " has a negative extent: shape ", dims(t));
+  bool empty = false;
+  for (const Index extent : shape) {
+    if (extent == 0) {
+      empty = true;
+      continue;
+    }
+    if (count > index_max / extent) {
+      std::ostringstream text;
+      for (std::size_t a = 0; a < shape.size(); ++a) text << (a > 0 ? ", " : "") << shape[a];
+      fail(kFunction, name, " has shape (", text.str(),
+           "), whose element count does not fit in a 64-bit index");
+    }
     count *= extent;
   }
+  return empty ? 0 : count;
+}
+
+/// Requires non-negative extents whose product fits in Index and is `data.size()`.
+template <class S>
+void require_consistent(const char* name, const attn::onnx::Tensor<S>& t) {
+  for (const Index extent : t.shape) {
+    if (extent < 0) fail(kFunction, name, " has a negative extent: shape ", dims(t));
+  }
+  const Index count = element_count(name, t.shape);
   if (count != static_cast<Index>(t.data.size())) {
     fail(kFunction, name, " has shape ", dims(t), " (", count, " elements) but holds ",
          t.data.size(), " elements");
@@ -225,9 +258,9 @@ attn::onnx::Tensor<T> concat_cache(const std::optional<attn::onnx::Tensor<T>>& p
                                    const attn::onnx::Tensor<T>& fresh, bool rank3, Index batch,
                                    Index kv_heads, Index past_len, Index seq, Index width) {
   const Index total = past_len + seq;
-  attn::onnx::Tensor<T> present{
-      {batch, kv_heads, total, width},
-      std::vector<T>(static_cast<std::size_t>(batch * kv_heads * total * width))};
+  attn::onnx::Tensor<T> present{{batch, kv_heads, total, width}, {}};
+  present.data.resize(static_cast<std::size_t>(element_count("present", present.shape)));
+  if (present.data.empty()) return present;  // nothing to copy, however many (b, h) there are
   const HeadLayout in = head_layout(rank3, kv_heads, seq, width);
   for (Index b = 0; b < batch; ++b) {
     for (Index h = 0; h < kv_heads; ++h) {
@@ -390,7 +423,7 @@ Sizes check_inputs(const attn::onnx::Inputs<T>& inputs, const attn::onnx::Attrib
            s.past, ", ", s.d_v, ") (past_key is ", dims(pk), ")");
     }
   }
-  s.total = s.past + s.m_new;
+  s.total = checked_add(kFunction, s.past, s.m_new, "total_sequence_length = past + kv");
 
   if (inputs.nonpad_kv_seqlen) {
     const std::vector<std::int64_t>& nonpad = *inputs.nonpad_kv_seqlen;
@@ -486,10 +519,68 @@ Index query_offset(const attn::onnx::Inputs<T>& inputs, const Sizes& s, Index b)
   return 0;
 }
 
+/// The output shapes of a call with these extents; a shape_error when any of them overflows.
+inline attn::onnx::OutputShapes output_shapes(const Sizes& s,
+                                              const attn::onnx::OutputRequest& request) {
+  attn::onnx::OutputShapes shapes;
+  const Index y_width =
+      s.rank3 ? checked_mul(kFunction, s.q_heads, s.d_v, "Y's hidden size") : s.d_v;
+  shapes.Y = s.rank3 ? std::vector<Index>{s.batch, s.n, y_width}
+                     : std::vector<Index>{s.batch, s.q_heads, s.n, s.d_v};
+  element_count("Y", shapes.Y);
+  if (request.present) {
+    shapes.present_key = {s.batch, s.kv_heads, s.total, s.d};
+    shapes.present_value = {s.batch, s.kv_heads, s.total, s.d_v};
+    element_count("present_key", shapes.present_key);
+    element_count("present_value", shapes.present_value);
+  }
+  if (request.qk_matmul_output) {
+    shapes.qk_matmul_output = {s.batch, s.q_heads, s.n, s.total};
+    element_count("qk_matmul_output", shapes.qk_matmul_output);
+  }
+  // The heads always read the whole cache, and a mask is widened to an n x total table.
+  element_count("present_key", {s.batch, s.kv_heads, s.total, s.d});
+  element_count("present_value", {s.batch, s.kv_heads, s.total, s.d_v});
+  element_count("the n x total_kv table of a head", {s.n, s.total});
+  return shapes;
+}
+
+/// Every check of a call, in order: attributes, inputs, masks. Returns the extents.
+template <class T>
+Sizes check_call(const attn::onnx::Inputs<T>& inputs, const attn::onnx::Attributes& attributes,
+                 KVStorage storage) {
+  if (storage == KVStorage::Int8) {
+    fail(kFunction, "storage must be Same, Float16 or BFloat16, not ", storage_name(storage),
+         " (int8 needs the scales of a KVCache)");
+  }
+  check_attributes(attributes);
+  // The double attributes must also be numbers of T (a float scale of 1e300 would be inf).
+  const double largest = static_cast<double>(std::numeric_limits<T>::max());
+  if (attributes.scale && std::abs(*attributes.scale) > largest) {
+    fail(kFunction, "attribute scale is ", *attributes.scale, " but must be finite in the ",
+         "tensors' type (|scale| <= ", largest, ")");
+  }
+  if (attributes.softcap > largest) {
+    fail(kFunction, "attribute softcap is ", attributes.softcap, " but must be finite in the ",
+         "tensors' type (<= ", largest, ")");
+  }
+  return check_inputs(inputs, attributes);
+}
+
 }  // namespace onnx
 }  // namespace detail
 
 namespace onnx {
+
+/// The shapes `attention` would give its outputs, after every check `attention` makes (the same
+/// shape_error for the same inputs), without computing or allocating them.
+template <class T>
+OutputShapes output_shapes(const Inputs<T>& inputs, const Attributes& attributes = {},
+                           const OutputRequest& request = {}, KVStorage storage = KVStorage::Same) {
+  const detail::onnx::Sizes s = detail::onnx::check_call(inputs, attributes, storage);
+  detail::onnx::mask_plans(inputs, s);
+  return detail::onnx::output_shapes(s, request);
+}
 
 /// The ONNX `Attention` operator: `Y = softmax(softcap(scale Q K^T) + mask) V` per (batch item,
 /// query head), with the key/value cache, padding, causal and window rules of opsets 23 to 25.
@@ -531,15 +622,11 @@ Outputs<T> attention(const Inputs<T>& inputs, const Attributes& attributes = {},
   using ConstMap = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
   using MutableMap = Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>;
 
-  // 1. Checks, then the cache: present = concat(past, new), the keys every head reads.
-  if (storage == KVStorage::Int8) {
-    attn::detail::fail("onnx::attention", "storage must be Same, Float16 or BFloat16, not ",
-                       attn::detail::storage_name(storage),
-                       " (int8 needs the scales of a KVCache)");
-  }
-  on::check_attributes(attributes);
-  const on::Sizes s = on::check_inputs(inputs, attributes);
+  // 1. Checks (every extent and product before anything is allocated), then the cache:
+  //    present = concat(past, new), the keys every head reads.
+  const on::Sizes s = on::check_call(inputs, attributes, storage);
   const on::MaskPlans plans = on::mask_plans(inputs, s);
+  const OutputShapes shapes = on::output_shapes(s, OutputRequest{true, request.qk_matmul_output});
   Tensor<T> present_key = on::concat_cache(inputs.past_key, inputs.K, s.rank3, s.batch, s.kv_heads,
                                            s.past, s.m_new, s.d);
   Tensor<T> present_value = on::concat_cache(inputs.past_value, inputs.V, s.rank3, s.batch,
@@ -547,14 +634,14 @@ Outputs<T> attention(const Inputs<T>& inputs, const Attributes& attributes = {},
 
   // 2. The outputs.
   Outputs<T> out;
-  out.Y.shape = s.rank3 ? std::vector<Index>{s.batch, s.n, s.q_heads * s.d_v}
-                        : std::vector<Index>{s.batch, s.q_heads, s.n, s.d_v};
-  out.Y.data.resize(static_cast<std::size_t>(s.batch * s.q_heads * s.n * s.d_v));
+  out.Y.shape = shapes.Y;
+  out.Y.data.resize(static_cast<std::size_t>(on::element_count("Y", shapes.Y)));
   const std::int64_t mode = attributes.qk_matmul_output_mode;
+  Index table_elements = 0;
   if (request.qk_matmul_output) {
-    out.qk_matmul_output =
-        Tensor<T>{{s.batch, s.q_heads, s.n, s.total},
-                  std::vector<T>(static_cast<std::size_t>(s.batch * s.q_heads * s.n * s.total))};
+    table_elements = on::element_count("qk_matmul_output", shapes.qk_matmul_output);
+    out.qk_matmul_output = Tensor<T>{shapes.qk_matmul_output,
+                                     std::vector<T>(static_cast<std::size_t>(table_elements))};
   }
 
   // 3. One single-head attention call per (b, h); query head h reads key/value head h / group.
@@ -571,7 +658,9 @@ Outputs<T> attention(const Inputs<T>& inputs, const Attributes& attributes = {},
   Matrix<Eigen::bfloat16> k_bf16, v_bf16;
   Matrix<T> k_round, v_round;
   Index stored_head = -1;
-  for (Index b = 0; b < s.batch; ++b) {
+  // With no output element there is nothing to compute, however many (b, h) the shapes name.
+  const Index batches = out.Y.data.empty() && table_elements == 0 ? 0 : s.batch;
+  for (Index b = 0; b < batches; ++b) {
     options.query_offset = on::query_offset(inputs, s, b);
     for (Index h = 0; h < s.q_heads; ++h) {
       if (h == 0 || plans.varies_by_head()) on::set_head_tables(inputs, plans, s, b, h, options);

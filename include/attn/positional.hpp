@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "detail/checked.hpp"
 #include "error.hpp"
 #include "rope.hpp"
 #include "types.hpp"
@@ -219,11 +220,11 @@ class LearnedPositionalEmbedding {
                    " (", name, " is ", detail::shape_of(X), ", table is ", detail::shape_of(table),
                    ")");
     }
-    if (offset < 0 || offset + X.rows() > table.rows()) {
-      detail::fail(function, "positions ", offset, " .. ", offset + X.rows() - 1,
-                   " are outside the table's 0 .. ", table.rows() - 1, " (", name, " is ",
-                   detail::shape_of(X), ", offset ", offset, ", table is ", detail::shape_of(table),
-                   ")");
+    if (offset < 0 || offset > table.rows() - X.rows()) {  // offset + n would overflow
+      detail::fail(function, "positions ", offset, " .. ",
+                   detail::saturating_add(offset, X.rows() - 1), " are outside the table's 0 .. ",
+                   table.rows() - 1, " (", name, " is ", detail::shape_of(X), ", offset ", offset,
+                   ", table is ", detail::shape_of(table), ")");
     }
   }
 };

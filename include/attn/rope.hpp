@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "detail/checked.hpp"
 #include "error.hpp"
 #include "types.hpp"
 
@@ -270,6 +271,7 @@ void rope_checked(const char* function, const char* name, Eigen::Ref<Matrix<T>> 
   if (offset < 0) {
     fail(function, "offset must be >= 0, got ", offset, " (", name, " is ", shape_of(X), ")");
   }
+  checked_add(function, offset, X.rows(), "the positions offset + rows");
   rope_kernel<T>(X, X.cols(), offset, style, rope_table(function, X.cols(), options), rotation);
 }
 

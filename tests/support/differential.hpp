@@ -417,8 +417,9 @@ inline Score score(const RefProblem& p, Index i, Index j) {
   s.scaled_err = std::fabs(scale) * s.raw_err + 2 * u * std::fabs(s.scaled) +
                  (dd + 4) * pr.tiny * (1 + std::fabs(scale));
   // Risky: T may overflow (or underflow into 0 inf) where long double does not. The raw Q K^T
-  // counts too: trace_attention forms it before scaling.
-  s.risky = s.raw_risky || underflow || std::fabs(scale) * finite_abs > limit ||
+  // alone overflowing does not count: every path computes the scaled scores as (scale q) . k, or
+  // (the tiled kernel) scales Q first where the raw product could overflow.
+  s.risky = underflow || std::fabs(scale) * finite_abs > limit ||
             std::fabs(scale) * max_q > limit || std::fabs(scale) * in_err > limit;
   if (p.softcap) {
     const LD c = *p.softcap;
@@ -947,6 +948,7 @@ struct SingleCase {
   attn::AttentionOptions<T> options;
   attn::FlashTiles tiles;
   std::vector<Placed> placed;
+  int magnified = 0;  ///< Q and K were multiplied by 2^magnified, the scale divided by its square
 };
 
 template <class T>
@@ -981,6 +983,15 @@ SingleCase<T> make_single(ByteSource& bytes) {
   sprinkle(c.V, "V", bytes, c.placed, 70);
   c.tiles.query_rows = bytes.pick<Index>({1, 2, 3, 5, 6, 7, 12, 13, 64});
   c.tiles.key_cols = bytes.pick<Index>({1, 2, 3, 4, 5, 8, 9, 16, 17, 256});
+  // Entries near the top of T's range with a tiny scale (1 case in 16): Q K^T overflows T where
+  // the scaled scores do not. Powers of two, so that the scaled problem is the same one exactly.
+  if (bytes.chance(16)) {
+    c.magnified = std::is_same_v<T, float> ? 63 : 511;
+    const T scale = c.options.scale ? *c.options.scale : T(1) / std::sqrt(static_cast<T>(d));
+    c.Q *= std::ldexp(T(1), c.magnified);
+    c.K *= std::ldexp(T(1), c.magnified);
+    c.options.scale = std::ldexp(scale, -2 * c.magnified);
+  }
   return c;
 }
 
@@ -990,6 +1001,7 @@ std::string describe(const SingleCase<T>& c) {
   s << "single head: n " << c.Q.rows() << ", m " << c.K.rows() << ", d_k " << c.Q.cols() << ", d_v "
     << c.V.cols() << "; " << describe_options(c.options) << "; tiles " << c.tiles.query_rows
     << " x " << c.tiles.key_cols << ";";
+  if (c.magnified) s << " Q and K times 2^" << c.magnified << ";";
   if (c.placed.empty()) s << " no special values";
   s << describe_placed(c.placed);
   return s.str();

@@ -24,9 +24,12 @@ void exact_row(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& 
                Eigen::Ref<RowVector<T>> out, T* lse) {
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
   const KeyRange keys = rule.keys(i);
+  // (scale q) . k, the materialised path's order: the sum cannot overflow where the scaled score
+  // is representable.
+  const RowVector<T> q = rule.scale * Q.row(i);
   T max = rule.sink ? *rule.sink : neg_inf;
   for (Index j = keys.begin; j < keys.end; ++j) {
-    max = nan_max(max, rule.logit(rule.scale * Q.row(i).dot(K.row(j)), i, j));
+    max = nan_max(max, rule.logit(q.dot(K.row(j)), i, j));
   }
   out.setZero();
   if (max == neg_inf) {
@@ -35,7 +38,7 @@ void exact_row(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& 
   }
   T sum = rule.sink ? std::exp(*rule.sink - max) : T(0);
   for (Index j = keys.begin; j < keys.end; ++j) {
-    const T s = rule.logit(rule.scale * Q.row(i).dot(K.row(j)), i, j);
+    const T s = rule.logit(q.dot(K.row(j)), i, j);
     if (s == neg_inf) continue;  // forbidden: never multiplied, whatever V_j holds
     const T p = std::exp(s - max);
     sum += p;

@@ -19,6 +19,7 @@
 #include "../error.hpp"
 #include "../scores.hpp"
 #include "../types.hpp"
+#include "checked.hpp"
 
 namespace attn {
 namespace detail {
@@ -76,15 +77,22 @@ struct ScoreRule {
   /// The key columns query `i` may see by position (causal, both windows); the mask tables may
   /// forbid more of them.
   KeyRange keys(Index i) const {
-    const Index p = q_position + i - k_position;  // the query's position in column units
-    Index end = m;
-    if (causal) end = std::min(end, p + 1);
-    if (window_right) end = std::min(end, p + *window_right + 1);
+    // Exact in a wider type: any query offset or window, however large, has its meaning.
+    const WideIndex p = wide(q_position) + wide(i) - wide(k_position);  // in column units
+    WideIndex end = wide(m);
+    if (causal) end = std::min(end, p + wide(1));
+    if (window_right) end = std::min(end, p + wide(*window_right) + wide(1));
+    const Index e = narrow_clamped(end, 0, m);
     Index begin = 0;
-    if (window_left && !left_unbounded) begin = std::max<Index>(0, p - *window_left);
-    end = std::clamp<Index>(end, 0, m);
-    begin = std::min(begin, end);
-    return {begin, end};
+    if (window_left && !left_unbounded) begin = narrow_clamped(p - wide(*window_left), 0, e);
+    return {begin, e};
+  }
+
+  /// p_i - (k_position + j), the query-to-key distance ALiBi uses, clamped to half the Index
+  /// range (a distance that large gives a penalty no float can tell from its neighbours).
+  Index distance(Index i, Index j) const {
+    return narrow_clamped(wide(q_position) + wide(i) - wide(k_position) - wide(j), index_min / 2,
+                          index_max / 2);
   }
 
   /// The union of the ranges of queries [i0, i0 + rows): begins and ends are non-decreasing in i.
@@ -150,10 +158,8 @@ struct ScoreRule {
       }
       if (alibi_slope) {
         const T slope = *alibi_slope;
-        const Index p = q_position + i;
-        for (Index c = 0; c < cols; ++c) {
-          s[c] -= slope * static_cast<T>(std::abs(p - (k_position + j0 + c)));
-        }
+        const Index delta = distance(i, j0);
+        for (Index c = 0; c < cols; ++c) s[c] -= slope * static_cast<T>(std::abs(delta - c));
       }
       const KeyRange visible = keys(i);
       const Index begin = std::clamp<Index>(visible.begin - j0, 0, cols);
@@ -188,7 +194,7 @@ struct ScoreRule {
       s += bias.row(i)[j];
     }
     if (alibi_slope) {
-      s -= *alibi_slope * static_cast<T>(std::abs(q_position + i - (k_position + j)));
+      s -= *alibi_slope * static_cast<T>(std::abs(distance(i, j)));
     }
     return s;
   }
