@@ -182,7 +182,7 @@ void BM_FlashTiles(benchmark::State& state) {
 /// `BM_Flash<float>` with the keys and values in bfloat16 (`Eigen::bfloat16` matrices, what a
 /// prefill over a `KVStorage::BFloat16` cache reads). vdpbf16ps = 0: widened when the keys are
 /// packed and tile by tile for the values, then the float kernel's arithmetic; 1: bfloat16
-/// arithmetic asked for (`attn::set_bfloat16_arithmetic`), the score and value tiles by
+/// arithmetic asked for (`StoredArithmetic::Reduced`), the score and value tiles by
 /// `vdpbf16ps` where the CPU has AVX512_BF16 (counter `vdpbf16ps`: whether they ran).
 /// bench/compare_flash_bf16.py sets these beside `BM_Flash<float>` in one run.
 void BM_FlashBFloat16Keys(benchmark::State& state) {
@@ -190,12 +190,15 @@ void BM_FlashBFloat16Keys(benchmark::State& state) {
   using Rows = Eigen::Matrix<Eigen::bfloat16, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   const Rows K = c.K.cast<Eigen::bfloat16>();
   const Rows V = c.V.cast<Eigen::bfloat16>();
-  attn::set_bfloat16_arithmetic(state.range(4) != 0);
+  const bool reduced = state.range(4) != 0;
+  attn::AttentionOptions<float> options = c.options;
+  if (reduced) options.stored_arithmetic = attn::StoredArithmetic::Reduced;
   state.counters["vdpbf16ps"] =
-      attn::bfloat16_arithmetic() && attn::detail::bfloat16_tiles_compiled() ? 1 : 0;
+      reduced && attn::bfloat16_arithmetic_available() && attn::detail::bfloat16_tiles_compiled()
+          ? 1
+          : 0;
   time_calls(
-      state, [&] { attn::flash_attention(c.Q, K, V, c.options, c.O); }, c.O.data(), c.flops());
-  attn::set_bfloat16_arithmetic(false);
+      state, [&] { attn::flash_attention(c.Q, K, V, options, c.O); }, c.O.data(), c.flops());
 }
 
 template <class T>

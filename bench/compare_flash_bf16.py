@@ -7,7 +7,7 @@
 
 Runs build/bench/attn_bench's BM_Flash<float> (float keys and values), BM_FlashBFloat16Keys with
 vdpbf16ps:0 (bfloat16 keys and values widened to float, the float kernel's arithmetic) and with
-vdpbf16ps:1 (`set_bfloat16_arithmetic(true)`: score and value tiles by AVX512_BF16's vdpbf16ps,
+vdpbf16ps:1 (`StoredArithmetic::Reduced`: score and value tiles by AVX512_BF16's vdpbf16ps,
 where the CPU has it) for n = 512 and 2048, d = 64 and 128, full and causal, in one process,
 --repetitions rounds (each case >= --min-time seconds per round), so that every ratio compares
 neighbours in time; and build/bench/attn_peak_fma_bench for the FMA peak. Prints a markdown table:

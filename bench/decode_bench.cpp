@@ -54,10 +54,12 @@ attn::KVCache<float> filled_cache(Index tokens, attn::KVStorage storage = attn::
 
 /// Times one decoding step over `cache` (1 query, every query head) and counts the bytes it
 /// streams (`KVCache::bytes()`: K and V of every key/value head in the cache's format).
-void time_steps(benchmark::State& state, const attn::KVCache<float>& cache) {
+void time_steps(benchmark::State& state, const attn::KVCache<float>& cache,
+                attn::StoredArithmetic arithmetic = attn::StoredArithmetic::Widened) {
   const attn::Matrix<float> q = attn_bench::random_matrix<float>(1, query_heads * head_dim, 3);
   attn::Matrix<float> out = attn::Matrix<float>::Zero(1, query_heads * head_dim);
-  const attn::AttentionOptions<float> options;
+  attn::AttentionOptions<float> options;
+  options.stored_arithmetic = arithmetic;
   for (auto _ : state) {
     cache.attend(q, options, out);
     benchmark::DoNotOptimize(out.data());
@@ -81,23 +83,21 @@ void BM_decode_stored(benchmark::State& state) {
   time_steps(state, filled_cache(state.range(0), static_cast<attn::KVStorage>(state.range(1))));
 }
 
-/// BM_decode_stored with bfloat16 keys and bfloat16 arithmetic (`attn::set_bfloat16_arithmetic`:
-/// the scores by AVX512_BF16's vdpbf16ps where the CPU has it; the counter says whether it ran).
+/// BM_decode_stored with bfloat16 keys and bfloat16 arithmetic (`StoredArithmetic::Reduced`: the
+/// scores by AVX512_BF16's vdpbf16ps where the CPU has it; the counter says whether it ran).
 void BM_decode_bf16_arithmetic(benchmark::State& state) {
-  attn::set_bfloat16_arithmetic(true);
-  state.counters["vdpbf16ps"] = attn::bfloat16_arithmetic() ? 1 : 0;
-  time_steps(state, filled_cache(state.range(0), attn::KVStorage::BFloat16));
-  attn::set_bfloat16_arithmetic(false);
+  state.counters["vdpbf16ps"] = attn::bfloat16_arithmetic_available() ? 1 : 0;
+  time_steps(state, filled_cache(state.range(0), attn::KVStorage::BFloat16),
+             attn::StoredArithmetic::Reduced);
 }
 
-/// BM_decode_stored with int8 keys and values and integer arithmetic (`attn::set_int8_arithmetic`:
+/// BM_decode_stored with int8 keys and values and integer arithmetic (`StoredArithmetic::Reduced`:
 /// the scores by AVX512_VNNI's vpdpbusd and the values by its vpdpwssd where the CPU has it; the
 /// counter says whether it ran).
 void BM_decode_int8_arithmetic(benchmark::State& state) {
-  attn::set_int8_arithmetic(true);
-  state.counters["vnni"] = attn::int8_arithmetic() ? 1 : 0;
-  time_steps(state, filled_cache(state.range(0), attn::KVStorage::Int8));
-  attn::set_int8_arithmetic(false);
+  state.counters["vnni"] = attn::int8_arithmetic_available() ? 1 : 0;
+  time_steps(state, filled_cache(state.range(0), attn::KVStorage::Int8),
+             attn::StoredArithmetic::Reduced);
 }
 
 /// The phases of decoding tiles, alone, over 8 tiles of 64 keys (one per key/value head, d = 128,
@@ -110,8 +110,7 @@ void BM_decode_int8_arithmetic(benchmark::State& state) {
 /// a tile), to set beside `attn_peak_fma_bench`. The sum of phases 0-2 against phase 3 is what the
 /// tile loses between its phases; phase 3 against `BM_decode_stored`'s time per token (over 8
 /// heads) is what the step adds around its tiles. Phases 0 and 2 call the kernels that
-/// `detail::decode_tile` picks with float arithmetic (no `set_bfloat16_arithmetic` or
-/// `set_int8_arithmetic`), in its order: a change to its steps 1 and 3 must be made here too.
+/// `detail::decode_tile` picks with float arithmetic (`StoredArithmetic::Widened`), in its order: a change to its steps 1 and 3 must be made here too.
 /// (Splitting those steps out of `decode_tile` into functions this could call changed GCC 12's
 /// code for the step: 1.02-1.09x its time at 1k tokens with stored keys, 2026-12-04.)
 void BM_decode_phase(benchmark::State& state) {

@@ -48,7 +48,6 @@ void time_formats(Index tokens, int calls) {
   const attn::Matrix<float> values = attn::Matrix<float>::Random(tokens, kv_heads * d);
   const attn::Matrix<float> q = attn::Matrix<float>::Random(1, 4 * kv_heads * d);
   attn::Matrix<float> out(1, 4 * kv_heads * d);
-  const attn::AttentionOptions<float> options;
   std::vector<attn::KVCache<float>> caches;
   for (const Format& format : formats()) {
     attn::KVCacheConfig<float> config;
@@ -62,8 +61,10 @@ void time_formats(Index tokens, int calls) {
   std::vector<std::vector<double>> times(formats().size());
   for (int call = 0; call < calls; ++call) {
     for (std::size_t f = 0; f < formats().size(); ++f) {
-      attn::set_bfloat16_arithmetic(formats()[f].bf16_arithmetic);
-      attn::set_int8_arithmetic(formats()[f].int8_arithmetic);
+      attn::AttentionOptions<float> options;
+      if (formats()[f].bf16_arithmetic || formats()[f].int8_arithmetic) {
+        options.stored_arithmetic = attn::StoredArithmetic::Reduced;
+      }
       const auto start = std::chrono::steady_clock::now();
       caches[f].attend(q, options, out);
       times[f].push_back(

@@ -35,3 +35,22 @@ install(FILES "${PROJECT_BINARY_DIR}/attnConfig.cmake"
               "${PROJECT_BINARY_DIR}/attnConfigVersion.cmake"
         DESTINATION "${ATTN_INSTALL_CMAKEDIR}")
 install(FILES "${PROJECT_SOURCE_DIR}/LICENSE" DESTINATION "${CMAKE_INSTALL_DATADIR}/doc/attn")
+
+# The build tree as a package too: find_package(attn) with attn_DIR (or CMAKE_PREFIX_PATH) set to
+# this build folder finds the same targets, the headers taken from the source tree.
+export(EXPORT attnTargets NAMESPACE attn:: FILE "${PROJECT_BINARY_DIR}/attnTargets.cmake")
+export(EXPORT attnOpenMPTargets NAMESPACE attn:: FILE "${PROJECT_BINARY_DIR}/attnOpenMPTargets.cmake")
+if(TARGET attn_distributed)
+  export(EXPORT attnDistributedTargets NAMESPACE attn::
+         FILE "${PROJECT_BINARY_DIR}/attnDistributedTargets.cmake")
+endif()
+
+# pkg-config (`pkg-config --cflags attn`): the include folder and Eigen's, relative to the .pc
+# file's own place so that the installed tree can be moved. Threads and -march are the user's own
+# flags there (-fopenmp, -march=native), as attn::openmp and attn::native add them.
+set(ATTN_INSTALL_PKGCONFIGDIR "${CMAKE_INSTALL_DATADIR}/pkgconfig" CACHE STRING
+    "Where attn.pc is installed, relative to the prefix")
+file(RELATIVE_PATH ATTN_PC_TO_PREFIX "/prefix/${ATTN_INSTALL_PKGCONFIGDIR}" "/prefix")
+file(RELATIVE_PATH ATTN_PC_INCLUDEDIR "/prefix" "/prefix/${CMAKE_INSTALL_INCLUDEDIR}")
+configure_file("${PROJECT_SOURCE_DIR}/cmake/attn.pc.in" "${PROJECT_BINARY_DIR}/attn.pc" @ONLY)
+install(FILES "${PROJECT_BINARY_DIR}/attn.pc" DESTINATION "${ATTN_INSTALL_PKGCONFIGDIR}")

@@ -1,4 +1,4 @@
-# Strict warnings for attn's own tests, benchmarks and examples (never on the attn::attn target).
+# Strict warnings for attn's own tests, benchmarks, examples and header checks (never on attn::attn).
 function(attn_strict_warnings target)
   if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
     target_compile_options(${target} PRIVATE
@@ -20,5 +20,18 @@ function(attn_strict_warnings target)
     endif()
   elseif(MSVC)
     target_compile_options(${target} PRIVATE /W4 /permissive- $<$<BOOL:${ATTN_WERROR}>:/WX>)
+  endif()
+endfunction()
+
+# One of attn's own programs (a test, benchmark or example): strict warnings, and attn::openmp and
+# attn::native as the top-level options chose (ATTN_WITH_OPENMP, ATTN_WITH_NATIVE), on this target
+# only. The header checks (tests/headers.cmake) are not programs: they see plain attn::attn.
+function(attn_own_program target)
+  attn_strict_warnings(${target})
+  if(ATTN_WITH_OPENMP)
+    target_link_libraries(${target} PRIVATE attn::openmp)
+  endif()
+  if(ATTN_WITH_NATIVE)
+    target_link_libraries(${target} PRIVATE attn::native)
   endif()
 endfunction()

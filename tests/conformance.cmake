@@ -9,5 +9,5 @@ target_link_libraries(attn_conformance PRIVATE
   attn::attn GTest::gtest_main nlohmann_json::nlohmann_json)
 target_compile_definitions(attn_conformance PRIVATE
   ATTN_ONNX_CASES_DIR="${CMAKE_CURRENT_SOURCE_DIR}/data/onnx_attention")
-attn_strict_warnings(attn_conformance)
+attn_own_program(attn_conformance)
 gtest_discover_tests(attn_conformance DISCOVERY_TIMEOUT 60 PROPERTIES LABELS conformance)

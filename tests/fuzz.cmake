@@ -22,7 +22,7 @@ target_link_libraries(attention_fuzz PRIVATE attn::attn)
 # -g1: line tables (the sanitizers' reports keep file and line) at a fraction of -g's compile time.
 target_compile_options(attention_fuzz PRIVATE ${attn_fuzz_flags} -g1)
 target_link_options(attention_fuzz PRIVATE ${attn_fuzz_flags})
-attn_strict_warnings(attention_fuzz)
+attn_own_program(attention_fuzz)
 
 # New inputs go to a corpus in the build folder; tests/fuzz/corpus holds the few committed seeds.
 # A failing input is written to fuzz-artifacts/ and printed with its case and a C++ reproducer.
@@ -43,7 +43,7 @@ add_executable(onnx_fuzz fuzz/onnx_fuzz.cpp)
 target_link_libraries(onnx_fuzz PRIVATE attn::attn)
 target_compile_options(onnx_fuzz PRIVATE ${attn_fuzz_flags} -g1)
 target_link_options(onnx_fuzz PRIVATE ${attn_fuzz_flags})
-attn_strict_warnings(onnx_fuzz)
+attn_own_program(onnx_fuzz)
 # allocator_may_return_null: a shape the adapter accepts but the machine cannot hold must come
 # back as an exception (which the target reports), not as the sanitizer's own abort.
 add_test(NAME onnx_fuzz

@@ -1,7 +1,7 @@
-# Every public header compiles on its own and includes what it uses (STYLE.md 16): for each header
-# under include/attn (detail/ too), a generated translation unit that includes only that header,
-# twice (the second include checks its include guard), all in the OBJECT library attn_headers,
-# which `cmake --build` builds with the tests.
+# Every public header compiles alone and includes what it uses (CONTRIBUTING.md, rule 16): for
+# each header under include/attn (detail/ too), a generated translation unit that includes only
+# that header, twice (the second include checks its include guard), all in the OBJECT library
+# attn_headers, which `cmake --build` builds with the tests.
 #
 # An OBJECT library rather than a ctest script that runs `-fsyntax-only`: the cost is the same
 # (parsing; the headers' templates are not instantiated), but ninja compiles the units in parallel
@@ -53,10 +53,9 @@ list(APPEND attn_header_units "${unit}")
 add_library(attn_headers OBJECT ${attn_header_units})
 # One header per translation unit even when the build asks for unity builds (CMAKE_UNITY_BUILD).
 set_target_properties(attn_headers PROPERTIES UNITY_BUILD OFF)
-# The headers as a consumer of plain attn::attn sees them: no OpenMP (the top-level CMakeLists.txt
-# gives attn::openmp to attn's own programs through link_libraries; this resets it). The OpenMP
-# branches are compiled by the tests.
-set_property(TARGET attn_headers PROPERTY LINK_LIBRARIES attn::attn)
+# The headers as a consumer of plain attn::attn sees them: no OpenMP, no -march (attn_own_program
+# is not called here). The OpenMP branches are compiled by the tests.
+target_link_libraries(attn_headers PRIVATE attn::attn)
 attn_strict_warnings(attn_headers)
 
 # attn/distributed.hpp, with MPI, as an attn::distributed consumer sees it.
@@ -68,6 +67,6 @@ if(TARGET attn_distributed)
 #include <attn/distributed.hpp>
 ]])
   add_library(attn_headers_distributed OBJECT "${unit}")
-  set_property(TARGET attn_headers_distributed PROPERTY LINK_LIBRARIES attn::distributed)
+  target_link_libraries(attn_headers_distributed PRIVATE attn::distributed)
   attn_strict_warnings(attn_headers_distributed)
 endif()

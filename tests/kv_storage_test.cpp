@@ -21,6 +21,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "test_support.hpp"
@@ -35,6 +36,12 @@ using attn::Mask;
 using attn::Matrix;
 
 /// A cache's configuration: 2 key/value heads, keys and values of width d stored in `storage`.
+/// Options asking for the stored formats' own arithmetic (`StoredArithmetic::Reduced`).
+attn::AttentionOptions<float> reduced(attn::AttentionOptions<float> options = {}) {
+  options.stored_arithmetic = attn::StoredArithmetic::Reduced;
+  return options;
+}
+
 KVCacheConfig<float> two_kv_heads(Index d, KVStorage storage) {
   KVCacheConfig<float> config;
   config.d_k = d;
@@ -314,7 +321,8 @@ TEST(KVStorageCache, RowsAreNeverRoundedTwice) {
 /// The worst error of a decoding step over n cached tokens in `storage` (or of the last `queries`
 /// tokens' queries, causal), against the double computation over the unrounded values:
 /// max |o - o_ref| / max |o_ref| over every head.
-double worst_relative_error(KVStorage storage, Index n, std::uint32_t seed, Index queries = 1) {
+double worst_relative_error(KVStorage storage, Index n, std::uint32_t seed, Index queries = 1,
+                            attn::StoredArithmetic arithmetic = attn::StoredArithmetic::Widened) {
   constexpr Index d = 128;
   constexpr Index kv_heads = 2;
   constexpr Index heads = 8;
@@ -336,7 +344,9 @@ double worst_relative_error(KVStorage storage, Index n, std::uint32_t seed, Inde
   config.storage = storage;
   KVCache<float> cache(config);
   cache.append(K.cast<float>(), V.cast<float>());
-  const Matrix<double> got = cache.attend(Q.cast<float>()).cast<double>();
+  attn::AttentionOptions<float> options;
+  options.stored_arithmetic = arithmetic;
+  const Matrix<double> got = cache.attend(Q.cast<float>(), options).cast<double>();
   double worst = 0;
   for (Index h = 0; h < heads; ++h) {
     const auto w = want.middleCols(h * d, d);
@@ -347,7 +357,7 @@ double worst_relative_error(KVStorage storage, Index n, std::uint32_t seed, Inde
 }
 
 TEST(KVStorageAccuracy, DecodingAt4096TokensStaysWithinEachFormatsBound) {
-  // The README's accuracy table (float compute; N(0, 1) queries, keys and values; d = 128;
+  // docs/benchmarks.md's accuracy table (float compute; N(0, 1) queries, keys and values; d = 128;
   // 8 query heads over 2 key/value heads). The bounds are about twice the worst of 3 seeds.
   struct Bound {
     KVStorage storage;
@@ -370,14 +380,12 @@ TEST(KVStorageAccuracy, DecodingAt4096TokensStaysWithinEachFormatsBound) {
 }
 
 TEST(KVStorageAccuracy, BFloat16ArithmeticAt4096TokensStaysWithinItsBound) {
-  // The README's accuracy table, rows "BFloat16 + vdpbf16ps" (`set_bfloat16_arithmetic`): one
-  // decoding step (scores by vdpbf16ps on the rounded queries) and the last 256 tokens' queries
-  // (the tiled kernel: scores and values by vdpbf16ps, the probabilities rounded too). Same setup
-  // and reference as the formats' test above; the bound is about twice the worst of 3 seeds.
-  attn::set_bfloat16_arithmetic(true);
-  const bool available = attn::bfloat16_arithmetic();
-  if (!available) {
-    attn::set_bfloat16_arithmetic(false);
+  // docs/benchmarks.md's accuracy table, rows "BFloat16 + vdpbf16ps" (StoredArithmetic::Reduced):
+  // one decoding step (scores by vdpbf16ps on the rounded queries) and the last 256 tokens'
+  // queries (the tiled kernel: scores and values by vdpbf16ps, the probabilities rounded too).
+  // Same setup and reference as the formats' test above; the bound is about twice the worst of 3
+  // seeds.
+  if (!attn::bfloat16_arithmetic_available()) {
     std::printf("[ accuracy ] bfloat16 arithmetic not available on this CPU: nothing to measure\n");
     return;
   }
@@ -388,7 +396,8 @@ TEST(KVStorageAccuracy, BFloat16ArithmeticAt4096TokensStaysWithinItsBound) {
   for (const Bound b : {Bound{1, 1e-2}, Bound{256, 1e-2}}) {
     double worst = 0;
     for (std::uint32_t seed = 1; seed <= 3; ++seed) {
-      worst = std::max(worst, worst_relative_error(KVStorage::BFloat16, 4096, seed, b.queries));
+      worst = std::max(worst, worst_relative_error(KVStorage::BFloat16, 4096, seed, b.queries,
+                                                   attn::StoredArithmetic::Reduced));
     }
     std::printf(
         "[ accuracy ] BFloat16 + vdpbf16ps, %3ld queries, n = 4096: worst relative error "
@@ -397,25 +406,22 @@ TEST(KVStorageAccuracy, BFloat16ArithmeticAt4096TokensStaysWithinItsBound) {
     EXPECT_LT(worst, b.bound) << b.queries << " queries";
     EXPECT_GT(worst, 1e-6) << b.queries << " queries";
   }
-  attn::set_bfloat16_arithmetic(false);
 }
 
 TEST(KVStorageAccuracy, Int8ArithmeticAt4096TokensStaysWithinItsBound) {
-  // The README's accuracy table, row "Int8 + vpdpbusd" (`set_int8_arithmetic`): one decoding step,
-  // its scores by vpdpbusd on the queries rounded to 8 bits, its values by vpdpwssd on the weights
-  // rounded to 16 bits. Same setup and reference as the formats' test; the bound is about twice
-  // the worst of 3 seeds.
-  attn::set_int8_arithmetic(true);
-  if (!attn::int8_arithmetic()) {
-    attn::set_int8_arithmetic(false);
+  // docs/benchmarks.md's accuracy table, row "Int8 + VNNI" (StoredArithmetic::Reduced): one
+  // decoding step, its scores by vpdpbusd on the queries rounded to 8 bits, its values by vpdpwssd
+  // on the weights rounded to 16 bits. Same setup and reference as the formats' test; the bound is
+  // about twice the worst of 3 seeds.
+  if (!attn::int8_arithmetic_available()) {
     std::printf("[ accuracy ] int8 arithmetic not available on this CPU: nothing to measure\n");
     return;
   }
   double worst = 0;
   for (std::uint32_t seed = 1; seed <= 3; ++seed) {
-    worst = std::max(worst, worst_relative_error(KVStorage::Int8, 4096, seed));
+    worst = std::max(worst, worst_relative_error(KVStorage::Int8, 4096, seed, 1,
+                                                 attn::StoredArithmetic::Reduced));
   }
-  attn::set_int8_arithmetic(false);
   double storage_alone = 0;  // the same steps in float arithmetic over the same int8 cache
   for (std::uint32_t seed = 1; seed <= 3; ++seed) {
     storage_alone = std::max(storage_alone, worst_relative_error(KVStorage::Int8, 4096, seed));
@@ -530,7 +536,7 @@ TEST(NarrowKeysAndValues, EqualTheCallsOnTheWidenedFloats) {
   expect_narrow_kv_calls_match<Eigen::bfloat16>(22);
 }
 
-/// The bfloat16 arithmetic path (`set_bfloat16_arithmetic`, AVX512_BF16's vdpbf16ps) against
+/// The bfloat16 arithmetic path (StoredArithmetic::Reduced, AVX512_BF16's vdpbf16ps) against
 /// long-double loops over what it computes with: the stored keys and values and the scaled
 /// queries rounded to bfloat16. Says which paths ran on this machine.
 TEST(KVStorageBFloat16Arithmetic, EachPathThisMachineSupports) {
@@ -540,17 +546,13 @@ TEST(KVStorageBFloat16Arithmetic, EachPathThisMachineSupports) {
   cache.append(attn_test::random_matrix<float>(301, 2 * d, rng),
                attn_test::random_matrix<float>(301, 2 * d, rng));
   const Matrix<float> Q = attn_test::random_matrix<float>(1, 8 * d, rng);  // 4 heads per group
-  attn::set_bfloat16_arithmetic(false);
   const Matrix<float> portable = cache.attend(Q);
-  attn::set_bfloat16_arithmetic(true);
-  const bool dispatched = attn::bfloat16_arithmetic();
-  const Matrix<float> chosen = cache.attend(Q);
-  attn::set_bfloat16_arithmetic(false);
+  const bool dispatched = attn::bfloat16_arithmetic_available();
+  const Matrix<float> chosen = cache.attend(Q, reduced());
   std::printf("[ dispatch ] AVX512_BF16 %s: paths run: float%s\n",
               attn::bfloat16_arithmetic_available() ? "available" : "not available",
               dispatched ? ", bfloat16 (vdpbf16ps)" : "");
   RecordProperty("bfloat16_path_ran", dispatched ? "yes" : "no");
-  EXPECT_EQ(dispatched, attn::bfloat16_arithmetic_available());
   if (!dispatched) {
     EXPECT_TRUE(attn_test::identical(chosen, portable))
         << "without the instruction, the float path";
@@ -648,7 +650,7 @@ TEST(BFloat16Operands, PackedAsTheirLayoutSays) {
   }
 }
 
-/// The tiled kernel in bfloat16 arithmetic (`set_bfloat16_arithmetic`, keys and values in
+/// The tiled kernel in bfloat16 arithmetic (StoredArithmetic::Reduced, keys and values in
 /// bfloat16): scores by vdpbf16ps on the queries rounded to bfloat16, and, where d_v is a multiple
 /// of 16, the value product by vdpbf16ps on the probabilities rounded to bfloat16. Against
 /// long-double loops over the rounded queries and the stored keys and values:
@@ -663,15 +665,16 @@ TEST(FlashBFloat16Arithmetic, EachPathThisMachineSupports) {
   const auto rounded = [](const Matrix<float>& X) -> Matrix<float> {
     return X.cast<Eigen::bfloat16>().cast<float>();
   };
+  // call(options) with the options' arithmetic Reduced (bfloat16 = true) or Widened.
   const auto run = [](bool bfloat16, const auto& call) {
-    attn::set_bfloat16_arithmetic(bfloat16);
-    auto result = call();
-    attn::set_bfloat16_arithmetic(false);
-    return result;
+    return call(bfloat16 ? attn::StoredArithmetic::Reduced : attn::StoredArithmetic::Widened);
   };
-  attn::set_bfloat16_arithmetic(true);
-  const bool dispatched = attn::bfloat16_arithmetic() && attn::detail::bfloat16_tiles_compiled();
-  attn::set_bfloat16_arithmetic(false);
+  const auto with = [](attn::AttentionOptions<float> options, attn::StoredArithmetic arithmetic) {
+    options.stored_arithmetic = arithmetic;
+    return options;
+  };
+  const bool dispatched =
+      attn::bfloat16_arithmetic_available() && attn::detail::bfloat16_tiles_compiled();
   std::printf("[ dispatch ] tiled kernel, AVX512_BF16 %s%s: paths run: float%s\n",
               attn::bfloat16_arithmetic_available() ? "available" : "not available",
               attn::detail::bfloat16_tiles_compiled() ? "" : " (not compiled for AVX-512)",
@@ -702,7 +705,9 @@ TEST(FlashBFloat16Arithmetic, EachPathThisMachineSupports) {
     const Matrix<float> K_stored = K.cast<float>();
     const Matrix<float> V_stored = V.cast<float>();
     for (const auto* options : {&plain, &rich}) {
-      const auto call = [&] { return attn::flash_attention(Q, K, V, *options); };
+      const auto call = [&](attn::StoredArithmetic a) {
+        return attn::flash_attention(Q, K, V, with(*options, a));
+      };
       const Matrix<float> portable = run(false, call);
       const Matrix<float> chosen = run(true, call);
       const std::string where = "n " + std::to_string(shape.n) + ", m " + std::to_string(shape.m) +
@@ -734,9 +739,9 @@ TEST(FlashBFloat16Arithmetic, EachPathThisMachineSupports) {
     Matrix<float> Q = attn_test::random_matrix<float>(40, 64, rng);
     const Rows K = attn_test::random_matrix<float>(300, 64, rng).cast<Eigen::bfloat16>();
     const Rows V = attn_test::random_matrix<float>(300, 64, rng).cast<Eigen::bfloat16>();
-    const Matrix<float> clean = run(true, [&] { return attn::flash_attention(Q, K, V, plain); });
+    const Matrix<float> clean = attn::flash_attention(Q, K, V, reduced(plain));
     Q(3, 5) = std::numeric_limits<float>::quiet_NaN();
-    const Matrix<float> with_nan = run(true, [&] { return attn::flash_attention(Q, K, V, plain); });
+    const Matrix<float> with_nan = attn::flash_attention(Q, K, V, reduced(plain));
     EXPECT_TRUE(with_nan.row(3).array().isNaN().all());
     EXPECT_TRUE(attn_test::identical(with_nan.topRows(3), clean.topRows(3)));
     EXPECT_TRUE(attn_test::identical(with_nan.bottomRows(36), clean.bottomRows(36)));
@@ -752,13 +757,11 @@ TEST(FlashBFloat16Arithmetic, EachPathThisMachineSupports) {
     K.data()[i] = Eigen::bfloat16(normal(rng));
     V.data()[i] = Eigen::bfloat16(normal(rng));
   }
-  const attn::Tensor3<float> heads =
-      run(true, [&] { return attn::attention_heads(Q, K, V, rich); });
+  const attn::Tensor3<float> heads = attn::attention_heads(Q, K, V, reduced(rich));
   for (Index h = 0; h < 4; ++h) {
-    const Matrix<float> one = run(true, [&] {
-      return attn::flash_attention(attn::detail::slice(Q, h), attn::detail::slice(K, h / 2),
-                                   attn::detail::slice(V, h / 2), rich);
-    });
+    const Matrix<float> one =
+        attn::flash_attention(attn::detail::slice(Q, h), attn::detail::slice(K, h / 2),
+                              attn::detail::slice(V, h / 2), reduced(rich));
     EXPECT_TRUE(attn_test::identical(attn::detail::slice(heads, h), one)) << "head " << h;
   }
 
@@ -768,8 +771,8 @@ TEST(FlashBFloat16Arithmetic, EachPathThisMachineSupports) {
   cache.append(attn_test::random_matrix<float>(1000, 128, rng),
                attn_test::random_matrix<float>(1000, 128, rng));
   const Matrix<float> Q_new = attn_test::random_matrix<float>(100, 4 * 64, rng);
-  const Matrix<float> portable = run(false, [&] { return cache.attend(Q_new); });
-  const Matrix<float> chosen = run(true, [&] { return cache.attend(Q_new); });
+  const Matrix<float> portable = cache.attend(Q_new);
+  const Matrix<float> chosen = cache.attend(Q_new, reduced());
   EXPECT_FALSE(attn_test::identical(chosen, portable));
   attn::AttentionOptions<float> causal;
   causal.causal = attn::Causal::BottomRight;
@@ -777,13 +780,12 @@ TEST(FlashBFloat16Arithmetic, EachPathThisMachineSupports) {
     const Rows K_h = cache.keys(h / 2).cast<Eigen::bfloat16>();
     const Rows V_h = cache.values(h / 2).cast<Eigen::bfloat16>();
     const Matrix<float> Q_h = Q_new.middleCols(h * 64, 64);
-    const Matrix<float> one =
-        run(true, [&] { return attn::flash_attention(Q_h, K_h, V_h, causal); });
+    const Matrix<float> one = attn::flash_attention(Q_h, K_h, V_h, reduced(causal));
     EXPECT_TRUE(attn_test::identical(chosen.middleCols(h * 64, 64), one)) << "cache, head " << h;
   }
 }
 
-/// The int8 arithmetic path (`set_int8_arithmetic`, AVX512_VNNI's vpdpbusd and vpdpwssd) against
+/// The int8 arithmetic path (StoredArithmetic::Reduced, AVX512_VNNI's vpdpbusd and vpdpwssd) against
 /// long-double loops over what it computes with: the stored (int8, scaled) keys and values and each
 /// scaled query head rounded to 8 bits with its own scale; the values' weights are rounded to 16 bits
 /// per head and tile, which moves an output entry by at most n max |V| / 65534 over the softmax's
@@ -804,26 +806,23 @@ TEST(KVStorageInt8Arithmetic, EachPathThisMachineSupports) {
     Matrix<float> V = attn_test::random_matrix<float>(n, 2 * d, rng);
     cache.append(K, V);
     const Matrix<float> Q = attn_test::random_matrix<float>(1, 8 * d, rng);  // 4 heads per group
-    attn::set_int8_arithmetic(false);
     const Matrix<float> portable = cache.attend(Q);
-    attn::set_int8_arithmetic(true);
-    dispatched = attn::int8_arithmetic();
-    const Matrix<float> chosen = cache.attend(Q);
+    dispatched = attn::int8_arithmetic_available();
+    const Matrix<float> chosen = cache.attend(Q, reduced());
     // A query that is not finite keeps the float path for the scores, and so the NaN rule ...
     Matrix<float> Q_nan = Q;
     Q_nan(0, 5) = std::numeric_limits<float>::quiet_NaN();
-    const Matrix<float> with_nan_query = cache.attend(Q_nan);
+    const Matrix<float> with_nan_query = cache.attend(Q_nan, reduced());
     // (Also with every key in the 4 x 4 blocks: 301 keys leave one key per step to the float
     // path, whose score alone would carry the NaN.)
     KVCache<float> blocks_cache(config);
     blocks_cache.append(K.topRows(256), V.topRows(256));
-    const Matrix<float> blocks_with_nan_query = blocks_cache.attend(Q_nan);
+    const Matrix<float> blocks_with_nan_query = blocks_cache.attend(Q_nan, reduced());
     // ... and a value row that is not finite (its int8 scale NaN) the float path for the values.
     V(200, 7) = std::numeric_limits<float>::quiet_NaN();
     KVCache<float> nan_cache(config);
     nan_cache.append(K, V);
-    const Matrix<float> with_nan_value = nan_cache.attend(Q);
-    attn::set_int8_arithmetic(false);
+    const Matrix<float> with_nan_value = nan_cache.attend(Q, reduced());
     EXPECT_TRUE(with_nan_query.leftCols(d).array().isNaN().all()) << "head 0 saw the NaN";
     EXPECT_TRUE(with_nan_query.rightCols(7 * d).array().isFinite().all());
     EXPECT_TRUE(blocks_with_nan_query.leftCols(d).array().isNaN().all()) << "head 0, 256 keys";
@@ -862,7 +861,6 @@ TEST(KVStorageInt8Arithmetic, EachPathThisMachineSupports) {
               attn::int8_arithmetic_available() ? "available" : "not available",
               dispatched ? ", int8 keys and values by integers (vpdpbusd, vpdpwssd)" : "");
   RecordProperty("int8_path_ran", dispatched ? "yes" : "no");
-  EXPECT_EQ(dispatched, attn::int8_arithmetic_available());
 }
 
 // The largest scores the int8 path can meet: every query entry rounded to 127 and every key entry
@@ -882,9 +880,7 @@ TEST(KVStorageInt8Arithmetic, LargestScoresDoNotWrap) {
     // would take the float path, and its correct score would hide the others').
     for (int i = 0; i < 4; ++i) cache.append(K, V);
     const Matrix<float> Q = Matrix<float>::Ones(1, 8 * d);
-    attn::set_int8_arithmetic(true);
-    const Matrix<float> chosen = cache.attend(Q);
-    attn::set_int8_arithmetic(false);
+    const Matrix<float> chosen = cache.attend(Q, reduced());
     // Scores sqrt(d) and sqrt(d) / 2: the first key's weight is 1 / (1 + exp(-sqrt(d) / 2)).
     const double w = 1.0 / (1.0 + std::exp(-std::sqrt(double(d)) / 2.0));
     const double want = w - (1.0 - w);
@@ -911,15 +907,53 @@ TEST(KVStorageInt8Arithmetic, SubnormalQueriesStayIn8Bits) {
   Matrix<float> Q = Matrix<float>::Constant(1, 8 * d, 1e-42f * std::sqrt(float(d)));
   for (Index c = 0; c < d; c += 2) Q(0, c) = -2e-43f * std::sqrt(float(d));
   for (Index c = 1; c < d; c += 2) Q(0, c) = 2e-43f * std::sqrt(float(d));
-  attn::set_int8_arithmetic(false);
   const Matrix<float> portable = cache.attend(Q);
-  attn::set_int8_arithmetic(true);
-  const Matrix<float> chosen = cache.attend(Q);
-  attn::set_int8_arithmetic(false);
+  const Matrix<float> chosen = cache.attend(Q, reduced());
   EXPECT_TRUE(chosen.array().isFinite().all());
   EXPECT_TRUE(attn_test::near(chosen, portable, attn_test::Tol<float>::rel,
                               attn_test::Tol<float>::abs + 1e-4))
       << "the weights' 16 bits aside, the same mean of the values";
+}
+
+/// The stored formats' arithmetic is a per-call choice: while one thread decodes with
+/// `StoredArithmetic::Reduced` (bfloat16 and int8 caches), another thread's widened calls over the
+/// same caches give, call after call, exactly what they give alone. (With a process-wide switch,
+/// as before, the second thread's calls took the first one's choice.) Where the CPU has neither
+/// instruction both choices compute the same; the test then only checks that.
+TEST(StoredArithmetic, OneThreadsChoiceDoesNotChangeAnothers) {
+  constexpr Index d = 128;
+  std::mt19937 rng(41);
+  const Matrix<float> K = attn_test::random_matrix<float>(300, 2 * d, rng);
+  const Matrix<float> V = attn_test::random_matrix<float>(300, 2 * d, rng);
+  const Matrix<float> Q = attn_test::random_matrix<float>(1, 8 * d, rng);  // 4 heads per group
+  for (const KVStorage storage : {KVStorage::BFloat16, KVStorage::Int8}) {
+    SCOPED_TRACE(name(storage));
+    KVCache<float> cache(two_kv_heads(d, storage));
+    cache.append(K, V);
+    const Matrix<float> widened = cache.attend(Q);
+    const Matrix<float> reduced_alone = cache.attend(Q, reduced());
+    const bool available = storage == KVStorage::BFloat16 ? attn::bfloat16_arithmetic_available()
+                                                          : attn::int8_arithmetic_available();
+    EXPECT_EQ(!attn_test::identical(widened, reduced_alone), available)
+        << "Reduced differs from Widened exactly where the CPU has the instructions";
+    constexpr int calls = 400;
+    int widened_wrong = 0, reduced_wrong = 0;
+    std::thread other([&] {
+      Matrix<float> out;
+      for (int i = 0; i < calls; ++i) {
+        cache.attend(Q, reduced(), out);
+        if (!attn_test::identical(out, reduced_alone)) ++reduced_wrong;
+      }
+    });
+    Matrix<float> out;
+    for (int i = 0; i < calls; ++i) {
+      cache.attend(Q, attn::AttentionOptions<float>{}, out);
+      if (!attn_test::identical(out, widened)) ++widened_wrong;
+    }
+    other.join();
+    EXPECT_EQ(widened_wrong, 0) << "of " << calls << " widened calls beside reduced ones";
+    EXPECT_EQ(reduced_wrong, 0) << "of " << calls << " reduced calls beside widened ones";
+  }
 }
 
 TEST(KVStorageCache, ViewsOfTRowsNeedSameStorage) {

@@ -478,10 +478,14 @@ MultiHeadAttention<double> random_layer(const MultiHeadConfig& config, std::mt19
 /// gradcheck of the layer's loss sum(forward(query, key, value) o dY) over every input and
 /// parameter.
 void check_layer(const MultiHeadConfig& config, const MultiHeadOptions<double>& options,
-                 Index batch, Index n, Index m, std::uint32_t seed) {
+                 Index batch, Index n, Index m, std::uint32_t seed,
+                 std::optional<attn::RopeStyle> rope = std::nullopt,
+                 const attn::RopeOptions<double>& rope_options = {}) {
   const attn_test::ThreadCount threads(1);  // (faster; the bits are the same for any count)
   std::mt19937 rng(seed);
   MultiHeadAttention<double> layer = random_layer(config, rng);
+  layer.rope = rope;
+  layer.rope_options = rope_options;
   const MultiHeadConfig& c = layer.config();
   const Tensor3<double> query = random_tensor<double>(batch, n, c.embed_dim, rng);
   const Tensor3<double> key = random_tensor<double>(batch, m, c.kdim, rng);
@@ -536,6 +540,28 @@ TEST(MultiHeadBackwardGradcheck, MultiQueryCrossAttentionKdimVdimWithSharedBiasA
   options.mask = random_mask(3, 5, 0.3, rng);
   options.sink = 0.5;
   check_layer(config, options, 2, 3, 5, 303);
+}
+
+// RoPE in the layer: the gradients pass back through the rotation of the queries and keys.
+TEST(MultiHeadBackwardGradcheck, RopeHalfGroupedQueryCausal) {
+  MultiHeadConfig config{8, 2};
+  config.num_kv_heads = 1;
+  MultiHeadOptions<double> options;
+  options.causal = Causal::BottomRight;
+  attn::RopeOptions<double> rope;
+  rope.base = 100;
+  check_layer(config, options, 2, 4, 4, 305, attn::RopeStyle::Half, rope);
+}
+
+TEST(MultiHeadBackwardGradcheck, RopeInterleavedPartialCrossAttentionWithQueryOffset) {
+  MultiHeadConfig config{8, 2};
+  MultiHeadOptions<double> options;
+  options.query_offset = 3;
+  options.causal = Causal::TopLeft;
+  attn::RopeOptions<double> rope;
+  rope.rotary_dim = 2;
+  rope.base = 50;
+  check_layer(config, options, 1, 3, 6, 306, attn::RopeStyle::Interleaved, rope);
 }
 
 TEST(MultiHeadBackwardGradcheck, NoBiases) {

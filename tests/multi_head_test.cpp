@@ -1040,6 +1040,190 @@ Tensor zeros(Index a, Index b, Index c) {
   return t;
 }
 
+// ------------------------------------------------------------------------------------------------
+// The layer a decoder needs: RoPE, the cache step, the layouts, GQA projections
+// ------------------------------------------------------------------------------------------------
+
+TEST(HeadLayouts, SplitAndMergeAreInverseAndMatchTheColumns) {
+  std::mt19937 rng(61);
+  const attn::Matrix<float> X = attn_test::random_matrix<float>(5, 12, rng);
+  const Tensor3<float> t = attn::split_heads(X, 3);
+  ASSERT_EQ(t.dimension(0), 3);
+  ASSERT_EQ(t.dimension(1), 5);
+  ASSERT_EQ(t.dimension(2), 4);
+  for (Index h = 0; h < 3; ++h) {
+    EXPECT_TRUE(attn_test::identical(attn::detail::slice(t, h), X.middleCols(h * 4, 4)));
+  }
+  EXPECT_TRUE(attn_test::identical(attn::merge_heads(t), X));
+  attn_test::expect_shape_error([&] { attn::split_heads(X, 5); }, {"split_heads", "5 x 12", "5"});
+  attn_test::expect_shape_error([&] { attn::split_heads(X, 0); }, {"split_heads", "heads = 0"});
+}
+
+TEST(RopeHeads, EveryHeadRotatedAsOneAndTheBackwardToo) {
+  std::mt19937 rng(62);
+  const attn::Matrix<double> X = attn_test::random_matrix<double>(6, 3 * 8, rng);
+  attn::RopeOptions<double> options;
+  options.rotary_dim = 6;
+  options.base = 500;
+  for (const attn::RopeStyle style : {attn::RopeStyle::Interleaved, attn::RopeStyle::Half}) {
+    const attn::Matrix<double> Y = attn::rope_heads(X, 3, 7, style, options);
+    const attn::Matrix<double> dX = attn::rope_heads_backward(X, 3, 7, style, options);
+    attn::Matrix<double> in_place = X;
+    attn::rope_heads_inplace(in_place, 3, 7, style, options);
+    for (Index h = 0; h < 3; ++h) {
+      EXPECT_TRUE(attn_test::identical(Y.middleCols(h * 8, 8),
+                                       attn::rope(X.middleCols(h * 8, 8), 7, style, options)));
+      EXPECT_TRUE(attn_test::identical(
+          dX.middleCols(h * 8, 8), attn::rope_backward(X.middleCols(h * 8, 8), 7, style, options)));
+    }
+    EXPECT_TRUE(attn_test::identical(in_place, Y));
+  }
+  attn_test::expect_shape_error([&] { attn::rope_heads(X, 5, 0, attn::RopeStyle::Half); },
+                                {"rope_heads", "6 x 24", "heads = 5"});
+}
+
+TEST(ProjectQkv, GroupedQueryWidths) {
+  std::mt19937 rng(63);
+  const attn::Matrix<double> X = attn_test::random_matrix<double>(4, 6, rng);
+  const attn::Matrix<double> W_Q = attn_test::random_matrix<double>(6, 8, rng);
+  const attn::Matrix<double> W_K = attn_test::random_matrix<double>(6, 4, rng);
+  const attn::Matrix<double> W_V = attn_test::random_matrix<double>(6, 4, rng);
+  const attn::QKV<double> qkv = attn::project_qkv(X, W_Q, W_K, W_V);
+  EXPECT_TRUE(attn_test::near_t<double>(qkv.Q, (X * W_Q).eval()));
+  EXPECT_TRUE(attn_test::near_t<double>(qkv.K, (X * W_K).eval()));
+  const attn::Matrix<double> W_bad = attn_test::random_matrix<double>(6, 3, rng);
+  attn_test::expect_shape_error([&] { attn::project_qkv(X, W_Q, W_bad, W_V); },
+                                {"project_qkv", "W_K is 6 x 3", "W_Q 6 x 8"});
+}
+
+/// A GQA layer (8 query heads over 2 key/value heads, head_dim 8) with random biases.
+template <class T>
+MultiHeadAttention<T> decoder_layer(std::optional<attn::RopeStyle> rope, std::uint64_t seed) {
+  MultiHeadConfig config{64, 8};
+  config.num_kv_heads = 2;
+  MultiHeadAttention<T> layer(config, seed);
+  std::mt19937 rng(static_cast<std::uint32_t>(seed));
+  for (attn::RowVector<T>* b : {&layer.b_Q, &layer.b_K, &layer.b_V, &layer.b_O}) {
+    *b = attn_test::random_matrix<T>(1, b->size(), rng);
+  }
+  layer.rope = rope;
+  layer.rope_options.base = T(1000);
+  return layer;
+}
+
+template <class T>
+attn::KVCacheConfig<T> decoder_cache(attn::KVStorage storage = attn::KVStorage::Same) {
+  attn::KVCacheConfig<T> config;
+  config.d_k = 8;
+  config.d_v = 8;
+  config.kv_heads = 2;
+  config.storage = storage;
+  return config;
+}
+
+TYPED_TEST(MultiHeadLayer, RopeForwardIsTheProjectionsRotatedThenAttended) {
+  using T = TypeParam;
+  const MultiHeadAttention<T> layer = decoder_layer<T>(attn::RopeStyle::Half, 64);
+  std::mt19937 rng(64);
+  const attn::Matrix<T> X = attn_test::random_matrix<T>(9, 64, rng);
+  MultiHeadOptions<T> options;
+  options.causal = Causal::BottomRight;
+  const attn::Matrix<T> got = layer.forward(X, options);
+  const attn::Matrix<T> Q = attn::rope_heads(attn::project(X, layer.W_Q, layer.b_Q), 8, 0,
+                                             attn::RopeStyle::Half, layer.rope_options);
+  const attn::Matrix<T> K = attn::rope_heads(attn::project(X, layer.W_K, layer.b_K), 2, 0,
+                                             attn::RopeStyle::Half, layer.rope_options);
+  const attn::Matrix<T> V = attn::project(X, layer.W_V, layer.b_V);
+  attn::AttentionOptions<T> causal;
+  causal.causal = Causal::BottomRight;
+  const Tensor3<T> heads = attn::attention_heads(attn::split_heads(Q, 8), attn::split_heads(K, 2),
+                                                 attn::split_heads(V, 2), causal);
+  const attn::Matrix<T> want = attn::project(attn::merge_heads(heads), layer.W_O, layer.b_O);
+  EXPECT_TRUE(attn_test::near_t<T>(got, want));
+  // And RoPE matters: without it the layer gives something else.
+  MultiHeadAttention<T> plain = layer;
+  plain.rope.reset();
+  EXPECT_FALSE(attn_test::near_t<T>(plain.forward(X, options), want));
+}
+
+/// A prefill of 5 tokens and 7 single-token steps through `forward_step` give the rows of the
+/// full causal forward: RoPE in the layer, or in the cache instead, or none.
+TYPED_TEST(MultiHeadLayer, ForwardStepEqualsTheFullCausalForward) {
+  using T = TypeParam;
+  std::mt19937 rng(65);
+  const attn::Matrix<T> X = attn_test::random_matrix<T>(12, 64, rng);
+  MultiHeadOptions<T> causal;
+  causal.causal = Causal::BottomRight;
+  for (const int where : {0, 1, 2}) {  // RoPE in the layer, in the cache, nowhere
+    SCOPED_TRACE("RoPE " + std::string(where == 0   ? "in the layer"
+                                       : where == 1 ? "in the cache"
+                                                    : "nowhere"));
+    MultiHeadAttention<T> layer = decoder_layer<T>(
+        where == 2 ? std::nullopt : std::optional<attn::RopeStyle>(attn::RopeStyle::Interleaved),
+        66);
+    const attn::Matrix<T> full = layer.forward(X, causal);
+    attn::KVCacheConfig<T> config = decoder_cache<T>();
+    if (where == 1) {
+      config.rope = layer.rope;
+      config.rope_options = layer.rope_options;
+      layer.rope.reset();
+    }
+    attn::KVCache<T> cache(config);
+    attn::Matrix<T> stepped(12, 64);
+    stepped.topRows(5) = layer.forward_step(X.topRows(5), cache);
+    for (Index i = 5; i < 12; ++i) stepped.row(i) = layer.forward_step(X.row(i), cache);
+    EXPECT_EQ(cache.size(), 12);
+    EXPECT_TRUE(attn_test::near_t<T>(stepped, full));
+  }
+}
+
+TEST(MultiHeadForwardStep, Float16CacheStaysNearTheFullForward) {
+  const MultiHeadAttention<float> layer = decoder_layer<float>(attn::RopeStyle::Half, 67);
+  std::mt19937 rng(67);
+  const attn::Matrix<float> X = attn_test::random_matrix<float>(40, 64, rng);
+  MultiHeadOptions<float> causal;
+  causal.causal = Causal::BottomRight;
+  const attn::Matrix<float> full = layer.forward(X, causal);
+  attn::KVCache<float> cache(decoder_cache<float>(attn::KVStorage::Float16));
+  attn::Matrix<float> stepped(40, 64);
+  stepped.topRows(30) = layer.forward_step(X.topRows(30), cache);
+  for (Index i = 30; i < 40; ++i) stepped.row(i) = layer.forward_step(X.row(i), cache);
+  const float worst = (stepped - full).cwiseAbs().maxCoeff() / full.cwiseAbs().maxCoeff();
+  EXPECT_LT(worst, 5e-3f);  // float16 keys and values: about 2^-11 relative per entry
+  EXPECT_GT(worst, 0.0f);   // (they were rounded)
+}
+
+TEST(MultiHeadForwardStep, RefusesWhatItCannotDo) {
+  MultiHeadAttention<float> layer = decoder_layer<float>(attn::RopeStyle::Half, 68);
+  const attn::Matrix<float> x = attn::Matrix<float>::Ones(1, 64);
+  attn::KVCacheConfig<float> both = decoder_cache<float>();
+  both.rope = attn::RopeStyle::Half;
+  attn::KVCache<float> rotating(both);
+  attn_test::expect_shape_error([&] { layer.forward_step(x, rotating); },
+                                {"MultiHeadAttention::forward_step", "RoPE"});
+  EXPECT_EQ(rotating.size(), 0) << "the cache is unchanged";
+  attn::KVCacheConfig<float> narrow = decoder_cache<float>();
+  narrow.kv_heads = 4;
+  attn::KVCache<float> wrong(narrow);
+  attn_test::expect_shape_error([&] { layer.forward_step(x, wrong); },
+                                {"forward_step", "4 key/value heads", "2 of head_dim 8"});
+  attn::KVCache<float> cache(decoder_cache<float>());
+  attn_test::expect_shape_error(
+      [&] { layer.forward_step(attn::Matrix<float>::Ones(1, 63), cache); },
+      {"forward_step", "x is 1 x 63", "64"});
+  MultiHeadConfig with_bias_kv{64, 8};
+  with_bias_kv.num_kv_heads = 2;
+  with_bias_kv.add_bias_kv = true;
+  const MultiHeadAttention<float> appended(with_bias_kv);
+  attn_test::expect_shape_error([&] { appended.forward_step(x, cache); },
+                                {"forward_step", "add_bias_kv"});
+  EXPECT_EQ(cache.size(), 0);
+  // A RoPE layer's queries may not stand before position 0.
+  MultiHeadOptions<float> early;
+  early.query_offset = -1;
+  attn_test::expect_shape_error([&] { layer.forward(x, early); }, {"RoPE", "-1"});
+}
+
 TEST(MultiHeadErrors, EmbedDimNotDivisibleByNumHeads) {
   expect_shape_error([] { Layer layer(MultiHeadConfig{10, 4}); }, {"10", "4", "divisible"});
 }

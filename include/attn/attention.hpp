@@ -48,6 +48,11 @@ void scaled_dot_product_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::M
 }
 
 /// Scaled dot-product attention (see the overload writing into caller storage).
+/// \param Q        n x d_k queries
+/// \param K        m x d_k keys: Q's scalar type, or `Eigen::half` / `Eigen::bfloat16`
+/// \param V        m x d_v values, of K's scalar type
+/// \param options  causal alignment, query offset, windows, mask (n x m), bias (n x m), scale,
+///                 softcap, ALiBi, sink
 /// \returns n x d_v
 template <class DQ, class DK, class DV>
 Matrix<typename DQ::Scalar> scaled_dot_product_attention(
@@ -59,6 +64,10 @@ Matrix<typename DQ::Scalar> scaled_dot_product_attention(
 }
 
 /// Attention that also returns its n x m weights (see `scaled_dot_product_attention`).
+/// \param Q        n x d_k queries
+/// \param K        m x d_k keys
+/// \param V        m x d_v values
+/// \param options  as for `scaled_dot_product_attention`
 /// \returns `{output (n x d_v), weights (n x m)}`; each weight row sums to 1, or is all zero for a
 ///          query that may attend no key.
 /// \throws shape_error on mismatched shapes or invalid options.
@@ -76,6 +85,10 @@ Attention<typename DQ::Scalar> attention_with_weights(
 
 /// Every intermediate table of one attention call, in the order the documents compute them:
 /// raw scores, scaled, masked, row maxima, exponentials, row sums, weights, output.
+/// \param Q        n x d_k queries
+/// \param K        m x d_k keys
+/// \param V        m x d_v values
+/// \param options  as for `scaled_dot_product_attention`
 /// \returns an `AttentionTrace` (see its fields for shapes).
 /// \throws shape_error on mismatched shapes or invalid options.
 /// \note For teaching and debugging: it keeps four n x m tables.
@@ -127,10 +140,12 @@ template <class DQ, class DK, class DV, class Options, class... Rest,
           detail::if_extended_options<Options, typename DQ::Scalar> = 0>
 void scaled_dot_product_attention(const Eigen::MatrixBase<DQ>&, const Eigen::MatrixBase<DK>&,
                                   const Eigen::MatrixBase<DV>&, const Options&, Rest&&...) = delete;
+/// Likewise for `attention_with_weights`.
 template <class DQ, class DK, class DV, class Options,
           detail::if_extended_options<Options, typename DQ::Scalar> = 0>
 void attention_with_weights(const Eigen::MatrixBase<DQ>&, const Eigen::MatrixBase<DK>&,
                             const Eigen::MatrixBase<DV>&, const Options&) = delete;
+/// Likewise for `trace_attention`.
 template <class DQ, class DK, class DV, class Options,
           detail::if_extended_options<Options, typename DQ::Scalar> = 0>
 void trace_attention(const Eigen::MatrixBase<DQ>&, const Eigen::MatrixBase<DK>&,

@@ -80,7 +80,7 @@ void check_backward(const char* function, const Eigen::MatrixBase<DQ>& Q,
 /// \param grads        dQ (n x d_k), dK (m x d_k), dV (m x d_v), dbias (n x m when `bias` is set,
 ///                     else empty), dsink (0 unless `sink` is set); resized, storage reused
 /// \throws shape_error on mismatched shapes or invalid options.
-/// \note About 5 n m d flops (2.5x the forward). Beyond `choose_path`'s crossover the tiled kernel
+/// \note About 10 n m d flops (2.5x the forward). Beyond `choose_path`'s crossover the tiled kernel
 ///       runs (FlashAttention-2's backward: P recomputed tile by tile from the log-sum-exp, never
 ///       the n x m table; extra memory O(parts n d_k) for the partial dQ, parts <= 16); below it the
 ///       materialised one (two n x m tables). Identical bits for any thread count.
@@ -110,6 +110,13 @@ void attention_backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<
 
 /// Gradients of attention from the forward's output and log-sum-exp (see the overload writing
 /// into caller storage).
+/// \param Q            n x d_k queries
+/// \param K            m x d_k keys
+/// \param V            m x d_v values
+/// \param O            n x d_v the forward's output for these operands and options
+/// \param log_sum_exp  n, each row's log-sum-exp as `flash_attention` returns it (sink included)
+/// \param dO           n x d_v gradient of the loss with respect to the output
+/// \param options      the forward's options (every field)
 /// \returns `{dQ, dK, dV, dbias, dsink}`
 template <class DQ, class DK, class DV, class DOut, class DL, class DG>
 AttentionGrads<typename DQ::Scalar> attention_backward(
@@ -143,6 +150,11 @@ void attention_backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<
 }
 
 /// Gradients of attention (see the overload writing into caller storage).
+/// \param Q        n x d_k queries
+/// \param K        m x d_k keys
+/// \param V        m x d_v values
+/// \param dO       n x d_v gradient of the loss with respect to the output
+/// \param options  every `AttentionOptions` field
 /// \returns `{dQ, dK, dV, dbias, dsink}`: dQ n x d_k, dK m x d_k, dV m x d_v, dbias n x m when
 ///          `bias` is set (else empty), dsink when `sink` is set (else 0)
 template <class DQ, class DK, class DV, class DG>
@@ -156,6 +168,12 @@ AttentionGrads<typename DQ::Scalar> attention_backward(
 
 /// The tiled backward at any size (what `attention_backward` runs beyond the crossover), with
 /// chosen tiles: for tests, benchmarks and tuning.
+/// \param Q        n x d_k queries
+/// \param K        m x d_k keys
+/// \param V        m x d_v values
+/// \param dO       n x d_v gradient of the loss with respect to the output
+/// \param options  every `AttentionOptions` field
+/// \param tiles    query rows and key columns per tile (each at least 1)
 /// \returns `{dQ, dK, dV, dbias, dsink}` (see `attention_backward`)
 /// \throws shape_error on mismatched shapes, invalid options or tiles below 1.
 template <class DQ, class DK, class DV, class DG>
@@ -178,12 +196,14 @@ template <class DQ, class DK, class DV, class DG, class Options, class... Rest,
 void attention_backward(const Eigen::MatrixBase<DQ>&, const Eigen::MatrixBase<DK>&,
                         const Eigen::MatrixBase<DV>&, const Eigen::MatrixBase<DG>&, const Options&,
                         Rest&&...) = delete;
+/// Likewise for the overload taking the forward's output.
 template <class DQ, class DK, class DV, class DOut, class DL, class DG, class Options,
           class... Rest, detail::if_extended_options<Options, typename DQ::Scalar> = 0>
 void attention_backward(const Eigen::MatrixBase<DQ>&, const Eigen::MatrixBase<DK>&,
                         const Eigen::MatrixBase<DV>&, const Eigen::MatrixBase<DOut>&,
                         const Eigen::MatrixBase<DL>&, const Eigen::MatrixBase<DG>&, const Options&,
                         Rest&&...) = delete;
+/// Likewise for `flash_attention_backward`.
 template <class DQ, class DK, class DV, class DG, class Options, class... Rest,
           detail::if_extended_options<Options, typename DQ::Scalar> = 0>
 void flash_attention_backward(const Eigen::MatrixBase<DQ>&, const Eigen::MatrixBase<DK>&,

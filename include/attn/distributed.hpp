@@ -939,10 +939,13 @@ std::string matrix_check(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase
 /// `query_offset` over the global positions, window, window_right, ALiBi, softcap, sink and scale;
 /// `mask` and `bias`, when set, are this rank's rows over all M keys (n_r x M).
 ///
-/// \param Q  n_r x d_k, this rank's queries (float or double)
-/// \param K  m_r x d_k, this rank's keys
-/// \param V  m_r x d_v, this rank's values
-/// \param stats  filled with what this rank did (times, bytes, pairs)
+/// \param comm     the communicator; every rank of it calls
+/// \param Q        n_r x d_k, this rank's queries (float or double)
+/// \param K        m_r x d_k, this rank's keys
+/// \param V        m_r x d_v, this rank's values
+/// \param options  every `AttentionOptions` field, over the whole sequence; `mask` and `bias`
+///                 n_r x M
+/// \param stats    filled with what this rank did (times, bytes, pairs)
 /// \returns n_r x d_v, this rank's output rows
 /// \throws shape_error on every rank when any rank's arguments are invalid (the rank at fault gets
 ///         its own message, the others one naming that rank), or when the ranks disagree on d_k
@@ -965,6 +968,13 @@ Matrix<typename DQ::Scalar> ring_attention(MPI_Comm comm, const Eigen::MatrixBas
 }
 
 /// `ring_attention` without the statistics.
+/// \param comm     the communicator; every rank of it calls
+/// \param Q        n_r x d_k, this rank's queries (float or double)
+/// \param K        m_r x d_k, this rank's keys
+/// \param V        m_r x d_v, this rank's values
+/// \param options  every `AttentionOptions` field, over the whole sequence; `mask` and `bias`
+///                 n_r x M
+/// \returns n_r x d_v, this rank's output rows
 template <class DQ, class DK, class DV>
 Matrix<typename DQ::Scalar> ring_attention(
     MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -975,7 +985,14 @@ Matrix<typename DQ::Scalar> ring_attention(
 
 /// `ring_attention` that also returns each of this rank's rows' log-sum-exp over all M keys, as
 /// `flash_attention` does (the sink included when set): what `ring_attention_backward` takes.
+/// \param comm         the communicator; every rank of it calls
+/// \param Q            n_r x d_k, this rank's queries (float or double)
+/// \param K            m_r x d_k, this rank's keys
+/// \param V            m_r x d_v, this rank's values
+/// \param options      every `AttentionOptions` field, over the whole sequence; `mask` and `bias`
+///                     n_r x M
 /// \param log_sum_exp  resized to n_r
+/// \returns n_r x d_v, this rank's output rows
 template <class DQ, class DK, class DV>
 Matrix<typename DQ::Scalar> ring_attention(MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q,
                                            const Eigen::MatrixBase<DK>& K,
@@ -1003,6 +1020,16 @@ Matrix<typename DQ::Scalar> ring_attention(MPI_Comm comm, const Eigen::MatrixBas
 /// every rank). Equal to `attention_backward` on the whole sequence to rounding, the same bits
 /// from call to call. Key/value blocks travel around the ring as in the forward, the dK and dV
 /// each block has gathered one step behind it; after a full turn they reach the block's owner.
+/// \param comm         the communicator; every rank of it calls
+/// \param Q            n_r x d_k, this rank's queries
+/// \param K            m_r x d_k, this rank's keys
+/// \param V            m_r x d_v, this rank's values
+/// \param O            n_r x d_v, this rank's rows of the forward's output
+/// \param log_sum_exp  n_r, this rank's rows' log-sum-exp from the forward
+/// \param dO           n_r x d_v, gradient of the loss with respect to this rank's output rows
+/// \param options      the forward's options (every field)
+/// \param stats        filled with what this rank did (times, bytes, pairs)
+/// \returns `{dQ, dK, dV, dbias, dsink}` of this rank's rows (shapes above)
 /// \throws as `ring_attention`, also when O, dO or log_sum_exp do not have n_r rows.
 template <class DQ, class DK, class DV, class DOut, class DL, class DG>
 AttentionGrads<typename DQ::Scalar> ring_attention_backward(
@@ -1046,6 +1073,15 @@ AttentionGrads<typename DQ::Scalar> ring_attention_backward(
 }
 
 /// `ring_attention_backward` without the statistics.
+/// \param comm         the communicator; every rank of it calls
+/// \param Q            n_r x d_k, this rank's queries
+/// \param K            m_r x d_k, this rank's keys
+/// \param V            m_r x d_v, this rank's values
+/// \param O            n_r x d_v, this rank's rows of the forward's output
+/// \param log_sum_exp  n_r, this rank's rows' log-sum-exp from the forward
+/// \param dO           n_r x d_v, gradient of the loss with respect to this rank's output rows
+/// \param options      the forward's options (every field)
+/// \returns `{dQ, dK, dV, dbias, dsink}` of this rank's rows
 template <class DQ, class DK, class DV, class DOut, class DL, class DG>
 AttentionGrads<typename DQ::Scalar> ring_attention_backward(
     MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -1118,11 +1154,18 @@ Tensor3<T> join_heads(const std::vector<Matrix<T>>& heads, Index rows, Index wid
 
 }  // namespace detail
 
-/// `ring_attention` over heads: `Q` (h_q, n_r, d_k), `K` (h_kv, m_r, d_k), `V` (h_kv, m_r, d_v),
-/// `h_q % h_kv == 0`; query head h reads key/value head `h / (h_q / h_kv)` (multi-head,
+/// `ring_attention` over heads: `Q` (heads, n_r, d_k), `K` (kv_heads, m_r, d_k), `V` (kv_heads,
+/// m_r, d_v), `heads % kv_heads == 0`; query head h reads key/value head `h / group` (multi-head,
 /// grouped-query and multi-query attention). Every key/value head travels in one message per step.
 /// `options.mask` and `options.bias` are shared by the heads (n_r x M).
-/// \returns (h_q, n_r, d_v)
+/// \param comm     the communicator; every rank of it calls
+/// \param Q        (heads, n_r, d_k), this rank's queries
+/// \param K        (kv_heads, m_r, d_k), this rank's keys
+/// \param V        (kv_heads, m_r, d_v), this rank's values
+/// \param options  every `AttentionOptions` field, over the whole sequence; `mask` and `bias`
+///                 n_r x M, shared by the heads
+/// \param stats    filled with what this rank did (times, bytes, pairs)
+/// \returns (heads, n_r, d_v)
 template <class T>
 Tensor3<T> ring_attention(MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& K,
                           const Tensor3<T>& V, const AttentionOptions<T>& options,
@@ -1134,6 +1177,12 @@ Tensor3<T> ring_attention(MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& 
 }
 
 /// `ring_attention` over heads without the statistics.
+/// \param comm     the communicator; every rank of it calls
+/// \param Q        (heads, n_r, d_k), this rank's queries
+/// \param K        (kv_heads, m_r, d_k), this rank's keys
+/// \param V        (kv_heads, m_r, d_v), this rank's values
+/// \param options  every `AttentionOptions` field, over the whole sequence
+/// \returns (heads, n_r, d_v)
 template <class T>
 Tensor3<T> ring_attention(MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& K,
                           const Tensor3<T>& V, const AttentionOptions<T>& options = {}) {
@@ -1143,7 +1192,13 @@ Tensor3<T> ring_attention(MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& 
 
 /// `ring_attention` over heads that also returns each query head's log-sum-exp of this rank's
 /// rows, as `attention_heads` does.
-/// \param log_sum_exp  resized to h_q x n_r (the sink included when set)
+/// \param comm         the communicator; every rank of it calls
+/// \param Q            (heads, n_r, d_k), this rank's queries
+/// \param K            (kv_heads, m_r, d_k), this rank's keys
+/// \param V            (kv_heads, m_r, d_v), this rank's values
+/// \param options      every `AttentionOptions` field, over the whole sequence
+/// \param log_sum_exp  resized to heads x n_r (the sink included when set)
+/// \returns (heads, n_r, d_v)
 template <class T>
 Tensor3<T> ring_attention(MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& K,
                           const Tensor3<T>& V, const AttentionOptions<T>& options,
@@ -1161,11 +1216,21 @@ Tensor3<T> ring_attention(MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& 
 }
 
 /// Gradients of `ring_attention` over heads (collective), from the forward's own output O
-/// (h_q, n_r, d_v) and log-sum-exp (h_q x n_r): dQ (h_q, n_r, d_k), dK (h_kv, m_r, d_k) and dV
-/// (h_kv, m_r, d_v) of this rank's rows, each key/value head's the sum over its query heads (in
-/// head order), dbias (n_r x M, summed over the heads) and dsink (the whole sequence's, summed over
-/// the heads). `dbiases` and `dsinks` stay empty (no per-head options). Equal to
+/// (heads, n_r, d_v) and log-sum-exp (heads x n_r): dQ (heads, n_r, d_k), dK (kv_heads, m_r, d_k)
+/// and dV (kv_heads, m_r, d_v) of this rank's rows, each key/value head's the sum over its query
+/// heads (in head order), dbias (n_r x M, summed over the heads) and dsink (the whole sequence's,
+/// summed over the heads). `dbiases` and `dsinks` stay empty (no per-head options). Equal to
 /// `attention_heads_backward` on the whole sequence to rounding.
+/// \param comm         the communicator; every rank of it calls
+/// \param Q            (heads, n_r, d_k), this rank's queries
+/// \param K            (kv_heads, m_r, d_k), this rank's keys
+/// \param V            (kv_heads, m_r, d_v), this rank's values
+/// \param O            (heads, n_r, d_v), this rank's rows of the forward's output
+/// \param log_sum_exp  heads x n_r, from the forward
+/// \param dO           (heads, n_r, d_v), gradient of the loss with respect to the output
+/// \param options      the forward's options (every field)
+/// \param stats        filled with what this rank did (times, bytes, pairs)
+/// \returns `{dQ, dK, dV, dbias, dsink}` of this rank's rows (shapes above)
 template <class T>
 HeadGrads<T> ring_attention_backward(MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& K,
                                      const Tensor3<T>& V, const Tensor3<T>& O,
@@ -1213,6 +1278,15 @@ HeadGrads<T> ring_attention_backward(MPI_Comm comm, const Tensor3<T>& Q, const T
 }
 
 /// `ring_attention_backward` over heads without the statistics.
+/// \param comm         the communicator; every rank of it calls
+/// \param Q            (heads, n_r, d_k), this rank's queries
+/// \param K            (kv_heads, m_r, d_k), this rank's keys
+/// \param V            (kv_heads, m_r, d_v), this rank's values
+/// \param O            (heads, n_r, d_v), this rank's rows of the forward's output
+/// \param log_sum_exp  heads x n_r, from the forward
+/// \param dO           (heads, n_r, d_v), gradient of the loss with respect to the output
+/// \param options      the forward's options (every field)
+/// \returns `{dQ, dK, dV, dbias, dsink}` of this rank's rows
 template <class T>
 HeadGrads<T> ring_attention_backward(MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& K,
                                      const Tensor3<T>& V, const Tensor3<T>& O,

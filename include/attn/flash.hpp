@@ -25,11 +25,12 @@ namespace attn {
 /// Tile sizes of `flash_attention` (rows of queries x keys per tile). The key tiles are rounded up
 /// to a whole number of the score kernel's register panels (32 floats or 16 doubles with AVX-512,
 /// 16 / 8 with AVX, 8 / 4 with SSE) and start on one, so that the keys are packed once per call.
-/// The defaults, 36 x 512, took 0.84-0.94x the time of 72 x 128 on the project's machine (one
-/// thread, float, n = 512 to 4096, d = 64 and 128, full and causal; bench/README.md says how): a
-/// row's online-softmax step and the reload of its running output come once per 512 keys.
+/// The defaults, 36 x 512, were chosen by measurement (see docs/benchmarks.md): a row's
+/// online-softmax step and the reload of its running output come once per 512 keys.
 struct FlashTiles {
+  /// Queries per tile (at least 1).
   Index query_rows = 36;
+  /// Keys per tile (at least 1; rounded up to whole register panels).
   Index key_cols = 512;
 };
 
@@ -70,13 +71,14 @@ struct FlashScratch {
 
 /// Keys in a stored format (detail/stored.hpp) packed for the score tiles, widened on the way
 /// (the packed panels are a copy in any case): a panel's rows widened a packet at a time
-/// (`widen_into`), then packed as keys of T (`pack_panel`). Element by element, 512 bfloat16
-/// keys of 64 features took 10.5 us (the 212 GFLOP/s machine).
+/// (`widen_into`; element by element was slower, see docs/benchmarks.md), then packed as keys of
+/// T (`pack_panel`).
 template <class T, class Codec>
 const T* pack_keys(const StoredBlock<Codec, T>& K) {
   constexpr Index cols = ScoreTile<T>::cols;
   T* packed = packed_panels<T>(K.rows(), K.cols());
-  thread_local Matrix<T> rows;  // one panel's keys widened
+  struct WidenedPanel {};
+  Matrix<T>& rows = thread_buffer<WidenedPanel, Matrix<T>>();  // one panel's keys widened
   for (Index p = 0; p < panel_count<T>(K.rows()); ++p) {
     const Index j0 = p * cols;
     K.middleRows(j0, std::min(cols, K.rows() - j0)).widen_into(rows);
@@ -86,16 +88,21 @@ const T* pack_keys(const StoredBlock<Codec, T>& K) {
 }
 
 /// The keys of one call packed for the score tiles (by the calling thread, into its own buffers):
-/// float panels (`pack_keys`); or, for float queries over keys and values stored in bfloat16 while
-/// `bfloat16_arithmetic()` is on (in translation units where `bfloat16_tiles_compiled()`), the
-/// operands of detail/bfloat16_tiles.hpp: the keys and the rounded queries in pairs of features,
-/// and, when d_v is a multiple of 16, the values in pairs of keys.
+/// float panels (`pack_keys`); or, for float queries over keys and values stored in bfloat16 with
+/// `StoredArithmetic::Reduced` on a CPU with AVX512_BF16 (in translation units where
+/// `bfloat16_tiles_compiled()`), the operands of detail/bfloat16_tiles.hpp: the keys and the
+/// rounded queries in pairs of features, and, when d_v is a multiple of 16, the values in pairs of
+/// keys.
 template <class T, class KBlock, class VBlock>
-PackedKeys<T> pack_for_scores(ConstRef<T> Q, const KBlock& K, const VBlock& V) {
+PackedKeys<T> pack_for_scores(ConstRef<T> Q, const KBlock& K, const VBlock& V,
+                              const ScoreRule<T>& rule) {
   if constexpr (std::is_same_v<T, float> && std::is_same_v<codec_of_t<KBlock, T>, BFloat16Codec> &&
                 bfloat16_tiles_compiled()) {
-    if (bfloat16_arithmetic()) {
-      thread_local std::vector<std::uint32_t> keys, queries, values;  // grown to the largest call
+    if (rule.reduced_arithmetic && bfloat16_arithmetic_available()) {
+      struct BFloat16Operands {
+        std::vector<std::uint32_t> keys, queries, values;  // grown to the largest call
+      };
+      auto& [keys, queries, values] = thread_buffer<BFloat16Operands, BFloat16Operands>();
       PackedKeys<T> packed{nullptr, K.cols()};
       const Index panels = (K.rows() + bfloat16_panel_keys - 1) / bfloat16_panel_keys;
       const auto grow = [](std::vector<std::uint32_t>& buffer, Index size) {
@@ -258,7 +265,7 @@ void flash_block(ConstRef<T> Q, const KBlock& K, const VBlock& V, const PackedKe
 template <class T>
 T largest_key(ConstRef<T> K) {
   if (K.size() == 0) return T(0);
-  if (K.outerStride() == K.cols()) {  // one contiguous run: a third of the time of the Ref's rows
+  if (K.outerStride() == K.cols()) {  // one contiguous run: faster than the Ref's rows
     return Eigen::Map<const Vector<T>>(K.data(), K.size()).cwiseAbs().maxCoeff();
   }
   T largest = T(0);
@@ -321,7 +328,7 @@ void flash_blocks(ConstRef<T> Q, const KBlock& K, const VBlock& V, const ScoreRu
                   const FlashTiles& tiles, FlashScratch<T>& scratch, Eigen::Ref<Matrix<T>> O,
                   T* lse) {
   with_safe_scale<T>(Q, K, rule, [&](ConstRef<T> Q_s, const ScoreRule<T>& rule_s) {
-    const PackedKeys<T> keys = pack_for_scores<T>(Q_s, K, V);
+    const PackedKeys<T> keys = pack_for_scores<T>(Q_s, K, V, rule_s);
     for (Index i0 = 0; i0 < Q_s.rows(); i0 += tiles.query_rows) {
       flash_block<T>(Q_s, K, V, keys, rule_s, tiles, i0,
                      std::min(tiles.query_rows, Q_s.rows() - i0), scratch, O, lse);
@@ -336,10 +343,8 @@ void flash_blocks(ConstRef<T> Q, const KBlock& K, const VBlock& V, const ScoreRu
 /// then fill the threads' ends. K and V are blocks of T or `StoredBlock`s.
 ///
 /// Why a copy per thread: one copy packed by the calling thread and read by the team had to be
-/// taken back from the other threads' caches, line by line, at every call. On the project's
-/// 212 GFLOP/s machine (two threads, n = 512, d = 64) that packing took 16.8 us of a 211 us call,
-/// against 1.4 us for the same packing on one thread; packed by each thread, the call took 192 us.
-/// (In another hour the shared copy cost 3 us: it moves with the machine's state.)
+/// taken back from the other threads' caches, line by line, at every call. A copy packed by each
+/// thread for itself costs one packing per thread and no such transfer (see docs/benchmarks.md).
 template <class T, class KBlock, class VBlock>
 void flash_kernel_on(ConstRef<T> Q, const KBlock& K, const VBlock& V, const ScoreRule<T>& rule,
                      const FlashTiles& tiles, Eigen::Ref<Matrix<T>> O, T* lse) {
@@ -349,7 +354,7 @@ void flash_kernel_on(ConstRef<T> Q, const KBlock& K, const VBlock& V, const Scor
   const double flops = attention_flops(n, K.rows(), K.cols(), V.cols());
   with_safe_scale<T>(Q, K, rule, [&](ConstRef<T> Q_s, const ScoreRule<T>& rule_s) {
     parallel_for<FlashScratch<T>>(blocks, flops, [&](Index b, FlashScratch<T>& scratch) {
-      if (!scratch.keys) scratch.keys = pack_for_scores<T>(Q_s, K, V);
+      if (!scratch.keys) scratch.keys = pack_for_scores<T>(Q_s, K, V, rule_s);
       const Index i0 = (blocks - 1 - b) * tiles.query_rows;
       flash_block<T>(Q_s, K, V, *scratch.keys, rule_s, tiles, i0,
                      std::min(tiles.query_rows, n - i0), scratch, O, lse);
@@ -380,7 +385,7 @@ void require_tiles(const char* function, const Tiles& tiles) {
 /// \param Q        n x d_k queries
 /// \param K        m x d_k keys: Q's scalar type, or `Eigen::half` / `Eigen::bfloat16` (widened
 ///                 to Q's type when packed for the score tiles; bfloat16 keys and values of float
-///                 queries go through `vdpbf16ps` instead when `set_bfloat16_arithmetic` is on)
+///                 queries go through `vdpbf16ps` instead with `StoredArithmetic::Reduced`)
 /// \param V        m x d_v values, of K's scalar type (a stored format is widened tile by tile)
 /// \param options  every `AttentionOptions` field; tiles entirely outside the rows' key range
 ///                 (causal, windows, query offset) are never computed
@@ -406,6 +411,12 @@ void flash_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>
 }
 
 /// `flash_attention` returning its n x d_v result (see the overload writing into caller storage).
+/// \param Q        n x d_k queries
+/// \param K        m x d_k keys: Q's scalar type, or `Eigen::half` / `Eigen::bfloat16`
+/// \param V        m x d_v values, of K's scalar type
+/// \param options  every `AttentionOptions` field
+/// \param tiles    tile sizes (query rows x key columns)
+/// \returns n x d_v
 template <class DQ, class DK, class DV>
 Matrix<typename DQ::Scalar> flash_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -419,7 +430,12 @@ Matrix<typename DQ::Scalar> flash_attention(
 /// `lse_i = log(sum_j exp(s_ij))`, the sink's `exp(sink)` included when set (so a row that may
 /// attend nothing has `-inf`, or the sink logit itself with a sink): what gradients and the
 /// merging of partial results need.
+/// \param Q            n x d_k queries
+/// \param K            m x d_k keys: Q's scalar type, or `Eigen::half` / `Eigen::bfloat16`
+/// \param V            m x d_v values, of K's scalar type
+/// \param options      every `AttentionOptions` field
 /// \param log_sum_exp  resized to n
+/// \param tiles        tile sizes (query rows x key columns)
 /// \returns n x d_v
 template <class DQ, class DK, class DV>
 Matrix<typename DQ::Scalar> flash_attention(const Eigen::MatrixBase<DQ>& Q,

@@ -57,12 +57,22 @@ struct GradcheckOptions {
 /// What `gradcheck` found: whether every entry passed, and the worst entry (the largest error
 /// relative to its allowance), which it reports also when all pass.
 struct GradcheckResult {
+  /// Whether every entry passed.
   bool passed = true;
   double worst_error = 0;  ///< max over entries of |a - n| / (atol + rtol |n|)  (<= 1 passes)
   std::size_t input = 0;   ///< the worst entry: which input, row, column, both values
+  /// The worst entry's row in its input.
   Index row = 0, col = 0;
+  /// The worst entry's analytic derivative (the one given).
   double analytic = 0, numeric = 0;
+  /// \var col
+  /// The worst entry's column in its input.
+  /// \var numeric
+  /// The worst entry's numeric derivative (the central difference).
+
   std::string message;  ///< human-readable: names input/row/col/values (for gtest output)
+  /// Whether every entry passed.
+  /// \returns `passed`
   explicit operator bool() const { return passed; }
 };
 

@@ -34,19 +34,20 @@ struct HeadOptions {
   std::optional<Tensor3<T>> biases;            ///< (heads, n, m), added after the softcap
 
   /// Whether any per-head value is set.
+  /// \returns true when at least one of the four fields is set
   bool any() const { return alibi_slopes || sinks || masks || biases; }
 };
 
 /// Gradients of `attention_heads` (`attention_heads_backward`): of the loss L, given dO = dL/dO.
 template <class T>
 struct HeadGrads {
-  Tensor3<T> dQ;          ///< (h_q, n, d_k)
-  Tensor3<T> dK;          ///< (h_kv, m, d_k): a key head's gradient, summed over its query heads
-  Tensor3<T> dV;          ///< (h_kv, m, d_v): likewise
+  Tensor3<T> dQ;          ///< (heads, n, d_k)
+  Tensor3<T> dK;          ///< (kv_heads, m, d_k): a key head's sum over its query heads
+  Tensor3<T> dV;          ///< (kv_heads, m, d_v): likewise
   Matrix<T> dbias;        ///< n x m when `options.bias` is set (summed over the heads), else empty
   T dsink = T(0);         ///< when `options.sink` is set (summed over the heads), else 0
-  Tensor3<T> dbiases;     ///< (h_q, n, m) when `per_head.biases` is set, else empty
-  std::vector<T> dsinks;  ///< h_q entries when `per_head.sinks` is set, else empty
+  Tensor3<T> dbiases;     ///< (heads, n, m) when `per_head.biases` is set, else empty
+  std::vector<T> dsinks;  ///< heads entries when `per_head.sinks` is set, else empty
 };
 
 namespace detail {
@@ -103,7 +104,7 @@ ScoreRule<T> head_rule(const ScoreRule<T>& shared, const HeadOptions<T>& per_hea
   return rule;
 }
 
-/// Checks (h_q, n, d), (h_kv, m, d), (h_kv, m, d_v) head tensors and the options.
+/// Checks (heads, n, d), (kv_heads, m, d), (kv_heads, m, d_v) head tensors and the options.
 template <class T, class S>
 void check_heads(const char* function, const Tensor3<T>& Q, const Tensor3<S>& K,
                  const Tensor3<S>& V, const AttentionOptions<T>& options,
@@ -161,8 +162,6 @@ void heads_kernel(Index heads, Index group, const ScoreRule<T>& shared,
                   [](Index) -> T* { return nullptr; });
 }
 
-/// The forward of `attention_heads`, checks included: out (h_q, n, d_v) and, when `lse` is not
-/// null, h_q x n log-sum-exps.
 /// Head kv of a (heads, m, d) tensor of keys or values as the kernels read it: a view of T, or a
 /// `StoredBlock` of `Eigen::half` / `Eigen::bfloat16` rows.
 template <class T, class S>
@@ -176,6 +175,12 @@ auto kv_slice(const Tensor3<S>& t, Index kv) {
   }
 }
 
+/// The forward of `attention_heads`, checks included (`check_heads`, errors naming `function`):
+/// Q (heads, n, d_k) of T, K (kv_heads, m, d_k) and V (kv_heads, m, d_v) of T, `Eigen::half` or
+/// `Eigen::bfloat16` (read through `kv_slice`), by the rule of `options` with each head's values
+/// from `per_head` (`heads_kernel`). `out` is resized to (heads, n, d_v) when its shape differs;
+/// when `lse` is not null it is resized to heads x n, row h head h's log-sum-exps (sink included),
+/// and one query then never takes the stacked decoding path.
 template <class T, class S>
 void heads_forward(const char* function, const Tensor3<T>& Q, const Tensor3<S>& K,
                    const Tensor3<S>& V, const AttentionOptions<T>& options,
@@ -205,16 +210,17 @@ void heads_forward(const char* function, const Tensor3<T>& Q, const Tensor3<S>& 
 }  // namespace detail
 
 /// Attention over several heads at once, into caller storage.
-/// \param Q         (h_q, n, d_k): query heads
-/// \param K         (h_kv, m, d_k): key heads, with h_q % h_kv == 0
-/// \param V         (h_kv, m, d_v): value heads
+/// \param Q         (heads, n, d_k): query heads
+/// \param K         (kv_heads, m, d_k): key heads, with heads % kv_heads == 0
+/// \param V         (kv_heads, m, d_v): value heads
 /// \param options   applied to every head (mask and bias are n x m, shared by the heads)
-/// \param per_head  values that differ per query head: slopes, sinks, (h_q, n, m) masks and biases
-/// \param out       resized to (h_q, n, d_v) (no allocation when it already has that shape)
+/// \param per_head  values that differ per query head: slopes, sinks, (heads, n, m) masks and
+///                  biases
+/// \param out       resized to (heads, n, d_v) (no allocation when it already has that shape)
 /// \throws shape_error on mismatched shapes or invalid options.
-/// \note Query head h uses key/value head h / (h_q / h_kv): multi-head attention when
-///       h_kv == h_q, grouped-query attention when fewer, multi-query when h_kv == 1. Keys and
-///       values are never copied per query head. Heads run in parallel.
+/// \note Query head h uses key/value head h / group (group = heads / kv_heads): multi-head
+///       attention when kv_heads == heads, grouped-query attention when fewer, multi-query when
+///       kv_heads == 1. Keys and values are never copied per query head. Heads run in parallel.
 template <class T>
 void attention_heads(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
                      const AttentionOptions<detail::identity_t<T>>& options,
@@ -227,6 +233,12 @@ void attention_heads(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>&
 /// or `BFloat16` computes. The stored values are widened to T in the kernels (the decoding kernel's
 /// registers, the tiled kernel's packing and value tiles; the small materialised problems widen a
 /// copy of each head), so the result is exactly that of the widened tensors.
+/// \param Q         (heads, n, d_k): query heads, of T
+/// \param K         (kv_heads, m, d_k): key heads, in `Eigen::half` or `Eigen::bfloat16`
+/// \param V         (kv_heads, m, d_v): value heads, of K's scalar type
+/// \param options   applied to every head (mask and bias are n x m, shared by the heads)
+/// \param per_head  values that differ per query head
+/// \param out       resized to (heads, n, d_v)
 template <class T, class S, std::enable_if_t<detail::is_narrow_scalar_v<S>, int> = 0>
 void attention_heads(const Tensor3<T>& Q, const Tensor3<S>& K, const Tensor3<S>& V,
                      const AttentionOptions<detail::identity_t<T>>& options,
@@ -235,7 +247,13 @@ void attention_heads(const Tensor3<T>& Q, const Tensor3<S>& K, const Tensor3<S>&
 }
 
 /// `attention_heads` with `Eigen::half` or `Eigen::bfloat16` keys and values, returning
-/// (h_q, n, d_v).
+/// (heads, n, d_v).
+/// \param Q         (heads, n, d_k): query heads, of T
+/// \param K         (kv_heads, m, d_k): key heads, in `Eigen::half` or `Eigen::bfloat16`
+/// \param V         (kv_heads, m, d_v): value heads, of K's scalar type
+/// \param options   applied to every head (mask and bias are n x m, shared by the heads)
+/// \param per_head  values that differ per query head
+/// \returns (heads, n, d_v)
 template <class T, class S, std::enable_if_t<detail::is_narrow_scalar_v<S>, int> = 0>
 Tensor3<T> attention_heads(const Tensor3<T>& Q, const Tensor3<S>& K, const Tensor3<S>& V,
                            const AttentionOptions<detail::identity_t<T>>& options = {},
@@ -247,7 +265,13 @@ Tensor3<T> attention_heads(const Tensor3<T>& Q, const Tensor3<S>& K, const Tenso
 
 /// `attention_heads` that also returns each query head's log-sum-exp (what
 /// `attention_heads_backward` takes to skip the forward), into caller storage.
-/// \param log_sum_exp  resized to h_q x n: row h holds head h's `lse_i = log(sum_j exp(z_ij))`,
+/// \param Q            (heads, n, d_k): query heads
+/// \param K            (kv_heads, m, d_k): key heads, with heads % kv_heads == 0
+/// \param V            (kv_heads, m, d_v): value heads
+/// \param options      applied to every head (mask and bias are n x m, shared by the heads)
+/// \param per_head     values that differ per query head
+/// \param out          resized to (heads, n, d_v)
+/// \param log_sum_exp  resized to heads x n: row h holds head h's `lse_i = log(sum_j exp(z_ij))`,
 ///                     the sink included when set (-inf for a query that may attend nothing)
 /// \note As the overload without it, but one query never takes the stacked decoding path.
 template <class T>
@@ -259,6 +283,11 @@ void attention_heads(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>&
 }
 
 /// `attention_heads` with shared options only, into caller storage.
+/// \param Q        (heads, n, d_k): query heads
+/// \param K        (kv_heads, m, d_k): key heads, with heads % kv_heads == 0
+/// \param V        (kv_heads, m, d_v): value heads
+/// \param options  applied to every head (mask and bias are n x m, shared by the heads)
+/// \param out      resized to (heads, n, d_v)
 template <class T>
 void attention_heads(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
                      const AttentionOptions<detail::identity_t<T>>& options, Tensor3<T>& out) {
@@ -266,7 +295,12 @@ void attention_heads(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>&
 }
 
 /// Attention over several heads at once (see the overload writing into caller storage).
-/// \returns (h_q, n, d_v)
+/// \param Q         (heads, n, d_k): query heads
+/// \param K         (kv_heads, m, d_k): key heads, with heads % kv_heads == 0
+/// \param V         (kv_heads, m, d_v): value heads
+/// \param options   applied to every head (mask and bias are n x m, shared by the heads)
+/// \param per_head  values that differ per query head
+/// \returns (heads, n, d_v)
 template <class T>
 Tensor3<T> attention_heads(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
                            const AttentionOptions<detail::identity_t<T>>& options = {},
@@ -306,7 +340,8 @@ struct HeadsBackwardScratch {
   Vector<T> lse;           ///< its log-sum-exp
 };
 
-/// Checks dO (h_q, n, d_v) and, when given, the forward's O (h_q, n, d_v) and log-sum-exp h_q x n.
+/// Checks dO (heads, n, d_v) and, when given, the forward's O (heads, n, d_v) and log-sum-exp
+/// heads x n.
 template <class T>
 void check_heads_backward(const char* function, const Tensor3<T>& Q, const Tensor3<T>& V,
                           const Tensor3<T>& dO, const Tensor3<T>* O, const Matrix<T>* lse) {
@@ -436,16 +471,17 @@ void heads_backward(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& 
 
 /// Gradients of `attention_heads`: runs the forward of each head again (keeping its output and
 /// log-sum-exp), then its backward (`attention_backward`'s kernels), into caller storage.
-/// \param Q         (h_q, n, d_k): query heads
-/// \param K         (h_kv, m, d_k): key heads, with h_q % h_kv == 0
-/// \param V         (h_kv, m, d_v): value heads
-/// \param dO        (h_q, n, d_v): gradient of the loss with respect to the output
+/// \param Q         (heads, n, d_k): query heads
+/// \param K         (kv_heads, m, d_k): key heads, with heads % kv_heads == 0
+/// \param V         (kv_heads, m, d_v): value heads
+/// \param dO        (heads, n, d_v): gradient of the loss with respect to the output
 /// \param options   the forward's shared options (every `AttentionOptions` field)
 /// \param per_head  the forward's per-head values (slopes, sinks, masks, biases)
-/// \param grads     dQ (h_q, n, d_k); dK (h_kv, m, d_k) and dV (h_kv, m, d_v), each key/value
-///                  head's the sum over its query heads; dbias (n x m) and dsink of the shared
-///                  bias and sink, summed over the heads; dbiases (h_q, n, m) and dsinks (h_q) of
-///                  the per-head ones. Fields whose option is not set are empty (dsink 0).
+/// \param grads     dQ (heads, n, d_k); dK (kv_heads, m, d_k) and dV (kv_heads, m, d_v), each
+///                  key/value head's the sum over its query heads; dbias (n x m) and dsink of the
+///                  shared bias and sink, summed over the heads; dbiases (heads, n, m) and dsinks
+///                  (heads) of the per-head ones. Fields whose option is not set are empty (dsink
+///                  0).
 /// \throws shape_error on mismatched shapes or invalid options.
 /// \note About 3.5x the forward's flops (the forward included). Key/value heads run in parallel
 ///       when there are at least as many as threads, else one after the other with each head's
@@ -462,6 +498,12 @@ void attention_heads_backward(const Tensor3<T>& Q, const Tensor3<T>& K, const Te
 }
 
 /// Gradients of `attention_heads` (see the overload writing into caller storage).
+/// \param Q         (heads, n, d_k): query heads
+/// \param K         (kv_heads, m, d_k): key heads, with heads % kv_heads == 0
+/// \param V         (kv_heads, m, d_v): value heads
+/// \param dO        (heads, n, d_v): gradient of the loss with respect to the output
+/// \param options   the forward's shared options (every `AttentionOptions` field)
+/// \param per_head  the forward's per-head values (slopes, sinks, masks, biases)
 /// \returns `{dQ, dK, dV, dbias, dsink, dbiases, dsinks}`
 template <class T>
 HeadGrads<T> attention_heads_backward(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
@@ -475,8 +517,8 @@ HeadGrads<T> attention_heads_backward(const Tensor3<T>& Q, const Tensor3<T>& K, 
 
 /// Gradients of `attention_heads` from the forward's own output and log-sum-exp (the overload of
 /// `attention_heads` that returns it), without running the forward again, into caller storage.
-/// \param O            (h_q, n, d_v): the forward's output for these operands and options
-/// \param log_sum_exp  h_q x n: the forward's log-sum-exp
+/// \param O            (heads, n, d_v): the forward's output for these operands and options
+/// \param log_sum_exp  heads x n: the forward's log-sum-exp
 /// \param Q, K, V, dO, options, per_head, grads  as in the overload without O
 /// \throws shape_error on mismatched shapes or invalid options.
 template <class T>
@@ -491,6 +533,14 @@ void attention_heads_backward(const Tensor3<T>& Q, const Tensor3<T>& K, const Te
 
 /// Gradients of `attention_heads` from the forward's output and log-sum-exp (see the overload
 /// writing into caller storage).
+/// \param Q            (heads, n, d_k): query heads
+/// \param K            (kv_heads, m, d_k): key heads, with heads % kv_heads == 0
+/// \param V            (kv_heads, m, d_v): value heads
+/// \param O            (heads, n, d_v): the forward's output for these operands and options
+/// \param log_sum_exp  heads x n: the forward's log-sum-exp
+/// \param dO           (heads, n, d_v): gradient of the loss with respect to the output
+/// \param options      the forward's shared options (every `AttentionOptions` field)
+/// \param per_head     the forward's per-head values (slopes, sinks, masks, biases)
 /// \returns `{dQ, dK, dV, dbias, dsink, dbiases, dsinks}`
 template <class T>
 HeadGrads<T> attention_heads_backward(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,

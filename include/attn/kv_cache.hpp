@@ -60,13 +60,16 @@ struct KVCacheConfig {
 template <class T>
 class KVCache {
  public:
-  /// A single-head cache (API.md).
-  /// \param window  keep only what a window of w keys needs
+  /// A single-head cache without RoPE, kept in T.
+  /// \param d_k     width of the keys, >= 1
+  /// \param d_v     width of the values, >= 1
+  /// \param window  w >= 0: keep only what a window of w keys needs (as `KVCacheConfig::window`)
   /// \throws shape_error if d_k or d_v < 1 or window < 0.
   KVCache(Index d_k, Index d_v, std::optional<Index> window = {})
       : KVCache(KVCacheConfig<T>{d_k, d_v, 1, window, 0, std::nullopt, {}, KVStorage::Same}) {}
 
   /// A cache with every option (see `KVCacheConfig`).
+  /// \param config  widths, head count, window, pinned tokens, RoPE and storage format
   /// \throws shape_error on a non-positive width or head count, a negative window or pinned
   ///         count, or invalid rope options.
   explicit KVCache(const KVCacheConfig<T>& config)
@@ -77,25 +80,35 @@ class KVCache {
     }
   }
 
+  /// The configuration, with `pinned_tokens` as the cache applies it (0 without a window).
+  /// \returns the configuration
   const KVCacheConfig<T>& config() const { return config_; }
   /// The storage: pinned and recent blocks per key/value head (rotated with RoPE).
+  /// \returns the `KVStore` holding the keys and values
   const KVStore<T>& store() const { return store_; }
 
   /// Keys currently held (the columns of `attend`'s scores): all rows without a window; with one,
   /// the kept pinned rows and the rows of the ring.
+  /// \returns the count, m of the next `attend`
   Index size() const { return store_.size(); }
   /// Rows appended since construction (or `clear`): the position of the next row.
+  /// \returns the count
   Index position() const { return store_.position(); }
   /// Rows allocated per key/value head: the memory bound.
+  /// \returns the count
   Index capacity() const { return store_.capacity(); }
 
   /// Bytes of the stored keys and values: every allocated row (see `capacity`) of every key/value
   /// head, in the cache's `storage` format, int8 scales included.
+  /// \returns the count
   Index bytes() const { return store_.bytes(); }
   /// The bytes `tokens` kept rows take in a cache of this configuration: what `bytes()` reports
   /// after one append of `tokens` rows to such a cache without a window. Per token and key/value
   /// head: (d_k + d_v) sizeof(T) with `Same`, 2 (d_k + d_v) with Float16 or BFloat16,
   /// d_k + d_v + 2 sizeof(T) with Int8.
+  /// \param config  the cache's configuration (its window is not applied)
+  /// \param tokens  kept rows, >= 0
+  /// \returns the count
   /// \throws shape_error when the count does not fit in Index (or `tokens` < 0).
   static Index bytes_for(const KVCacheConfig<T>& config, Index tokens) {
     return KVStore<T>::bytes_for(store_shape(config), tokens, "KVCache::bytes_for");
@@ -182,6 +195,9 @@ class KVCache {
   }
 
   /// `attend` with options shared by every head, into caller storage.
+  /// \param Q_new    n x (heads d_k), query heads side by side, heads a multiple of kv_heads
+  /// \param options  as for the overload taking `per_head`
+  /// \param out      resized to n x (heads d_v)
   template <class DQ>
   void attend(const Eigen::MatrixBase<DQ>& Q_new, const AttentionOptions<T>& options,
               Matrix<T>& out) const {
@@ -189,6 +205,10 @@ class KVCache {
   }
 
   /// `attend` returning n x (heads d_v) (see the overload writing into caller storage).
+  /// \param Q_new     n x (heads d_k), query heads side by side, heads a multiple of kv_heads
+  /// \param options   as for the overload writing into caller storage
+  /// \param per_head  per-query-head slopes, sinks, (heads, n, size()) masks and biases
+  /// \returns n x (heads d_v): each query head's output in its columns
   template <class DQ>
   Matrix<T> attend(const Eigen::MatrixBase<DQ>& Q_new, const AttentionOptions<T>& options = {},
                    const HeadOptions<T>& per_head = {}) const {
@@ -208,7 +228,9 @@ class KVCache {
                           Rest&&...) const = delete;
 
   /// `attend` on heads.
-  /// \param Q_new  (heads, n, d_k)
+  /// \param Q_new     (heads, n, d_k), heads a multiple of kv_heads
+  /// \param options   as for `attend`
+  /// \param per_head  per-query-head slopes, sinks, (heads, n, size()) masks and biases
   /// \returns (heads, n, d_v)
   Tensor3<T> attend_heads(const Tensor3<T>& Q_new, const AttentionOptions<T>& options = {},
                           const HeadOptions<T>& per_head = {}) const {
@@ -227,12 +249,14 @@ class KVCache {
   }
 
   /// The kept keys of one key/value head, in the column order of `attend` (rotated with RoPE).
+  /// \param kv_head  0 to kv_heads - 1
   /// \returns size() x d_k
   Matrix<T> keys(Index kv_head = 0) const {
     require_head("KVCache::keys", kv_head);
     return store_.keys(kv_head);
   }
   /// The kept values of one key/value head.
+  /// \param kv_head  0 to kv_heads - 1
   /// \returns size() x d_v
   Matrix<T> values(Index kv_head = 0) const {
     require_head("KVCache::values", kv_head);
@@ -240,6 +264,7 @@ class KVCache {
   }
 
   /// The absolute position of each kept key, in the column order of `attend`.
+  /// \returns size() positions
   std::vector<Index> key_positions() const { return store_.positions(); }
 
  private:

@@ -43,10 +43,12 @@ struct KVStoreShape {
 template <class T>
 class KVStore {
  public:
-  /// \throws shape_error on a non-positive width or head count, or a negative window or pinned
-  ///         count, or pinned rows that cannot be allocated. Without a window nothing is dropped,
-  ///         so `pinned_tokens` is ignored (set to 0).
+  /// An empty store of the given shape. Without a window nothing is dropped, so `pinned_tokens`
+  /// is ignored (set to 0).
+  /// \param shape     widths, head count, window, pinned tokens and storage format
   /// \param function  the name errors give (the owner's, e.g. "KVCache")
+  /// \throws shape_error on a non-positive width or head count, or a negative window or pinned
+  ///         count, or pinned rows that cannot be allocated.
   explicit KVStore(const KVStoreShape& shape, const char* function = "KVStore")
       : shape_(shape), function_(function) {
     static_assert(detail::is_supported_scalar_v<T>, "attn works on floating-point scalars");
@@ -63,15 +65,21 @@ class KVStore {
     clear();
   }
 
+  /// The shape, with `pinned_tokens` as the store applies it (0 without a window).
+  /// \returns the shape
   const KVStoreShape& shape() const { return shape_; }
 
   /// Rows kept: the pinned rows and the recent ones.
+  /// \returns pinned_held() + recent_held()
   Index size() const { return pinned_held() + recent_held(); }
   /// Rows appended since construction (or `clear`): the position of the next row.
+  /// \returns the count
   Index position() const { return total_; }
   /// Rows allocated per key/value head (pinned rows + ring or linear storage): the memory bound.
+  /// \returns the count
   Index capacity() const { return shape_.pinned_tokens + K_.front().rows(); }
   /// Bytes of the stored keys and values (every allocated row, int8 scales included).
+  /// \returns the count
   Index bytes() const {
     Index total = 0;
     for (const auto* blocks : {&K_, &V_, &pinned_K_, &pinned_V_}) {
@@ -81,6 +89,10 @@ class KVStore {
   }
   /// The bytes `tokens` kept rows take in a store of this shape (keys and values of every head):
   /// what `bytes()` reports after one append of `tokens` rows to a store without a window.
+  /// \param shape     the store's shape (its window is not applied)
+  /// \param tokens    kept rows, >= 0
+  /// \param function  the name errors give
+  /// \returns the count
   /// \throws shape_error when the count does not fit in Index (or `tokens` < 0).
   static Index bytes_for(const KVStoreShape& shape, Index tokens,
                          const char* function = "KVStore::bytes_for") {
@@ -96,14 +108,18 @@ class KVStore {
         per_head, "the bytes of", tokens, "tokens");
   }
   /// Pinned rows kept (positions 0 .. pinned_held() - 1).
+  /// \returns the count
   Index pinned_held() const { return std::min(total_, shape_.pinned_tokens); }
   /// Recent rows kept (positions first_recent() .. position() - 1).
+  /// \returns the count
   Index recent_held() const {
     return shape_.window ? std::min(recent_total(), ring_) : recent_total();
   }
   /// The position of the oldest kept recent row.
+  /// \returns position() - recent_held()
   Index first_recent() const { return total_ - recent_held(); }
   /// Whether rows between the pinned ones and the recent ones were dropped.
+  /// \returns true when first_recent() is past the pinned positions
   bool dropped_any() const { return first_recent() > shape_.pinned_tokens; }
 
   /// Forgets every row (and releases the storage).
@@ -175,41 +191,65 @@ class KVStore {
   /// A view of rows of a stored row-major block of T.
   using View = Eigen::Map<const Matrix<T>>;
 
-  /// The pinned keys of key/value head h: pinned_held() x d_k (`KVStorage::Same` only; any
-  /// format: `keys`, or the kernels' `pinned_keys_as`).
+  /// The pinned keys of key/value head h (`KVStorage::Same` only; any format: `keys`, or the
+  /// kernels' `pinned_keys_as`).
+  /// \param h  0 to kv_heads - 1
+  /// \returns pinned_held() x d_k, a view into the store
   View pinned_keys(Index h) const { return rows(pinned_K_[at(h)], 0, pinned_held()); }
-  /// The pinned values of key/value head h: pinned_held() x d_v (`Same` only).
+  /// The pinned values of key/value head h (`Same` only).
+  /// \param h  0 to kv_heads - 1
+  /// \returns pinned_held() x d_v, a view into the store
   View pinned_values(Index h) const { return rows(pinned_V_[at(h)], 0, pinned_held()); }
-  /// The recent keys of key/value head h, oldest first: recent_held() x d_k (`Same` only).
+  /// The recent keys of key/value head h, oldest first (`Same` only).
+  /// \param h  0 to kv_heads - 1
+  /// \returns recent_held() x d_k, a view into the store
   View recent_keys(Index h) const { return rows(K_[at(h)], recent_start(), recent_held()); }
-  /// The recent values of key/value head h, oldest first: recent_held() x d_v (`Same` only).
+  /// The recent values of key/value head h, oldest first (`Same` only).
+  /// \param h  0 to kv_heads - 1
+  /// \returns recent_held() x d_v, a view into the store
   View recent_values(Index h) const { return rows(V_[at(h)], recent_start(), recent_held()); }
 
-  /// The four blocks as the kernels read them, for the store's own format `Codec`
-  /// (detail/stored.hpp): `View`s for `Same`, `detail::StoredBlock`s otherwise.
+  /// The pinned keys of key/value head h as the kernels read them, for the store's own format
+  /// `Codec` (detail/stored.hpp): a `View` for `Same`, a `detail::StoredBlock` otherwise.
+  /// \param h  0 to kv_heads - 1
+  /// \returns pinned_held() x d_k, a view into the store
   template <class Codec>
   auto pinned_keys_as(Index h) const {
     return block<Codec>(pinned_K_[at(h)], 0, pinned_held());
   }
+  /// The pinned values of key/value head h as the kernels read them (see `pinned_keys_as`).
+  /// \param h  0 to kv_heads - 1
+  /// \returns pinned_held() x d_v, a view into the store
   template <class Codec>
   auto pinned_values_as(Index h) const {
     return block<Codec>(pinned_V_[at(h)], 0, pinned_held());
   }
+  /// The recent keys of key/value head h as the kernels read them (see `pinned_keys_as`).
+  /// \param h  0 to kv_heads - 1
+  /// \returns recent_held() x d_k, a view into the store
   template <class Codec>
   auto recent_keys_as(Index h) const {
     return block<Codec>(K_[at(h)], recent_start(), recent_held());
   }
+  /// The recent values of key/value head h as the kernels read them (see `pinned_keys_as`).
+  /// \param h  0 to kv_heads - 1
+  /// \returns recent_held() x d_v, a view into the store
   template <class Codec>
   auto recent_values_as(Index h) const {
     return block<Codec>(V_[at(h)], recent_start(), recent_held());
   }
 
-  /// The kept keys of head h, pinned rows first, widened to T: size() x d_k (a copy).
+  /// The kept keys of head h, pinned rows first, widened to T (a copy).
+  /// \param h  0 to kv_heads - 1
+  /// \returns size() x d_k
   Matrix<T> keys(Index h) const { return joined(pinned_K_[at(h)], K_[at(h)]); }
-  /// The kept values of head h, pinned rows first, widened to T: size() x d_v (a copy).
+  /// The kept values of head h, pinned rows first, widened to T (a copy).
+  /// \param h  0 to kv_heads - 1
+  /// \returns size() x d_v
   Matrix<T> values(Index h) const { return joined(pinned_V_[at(h)], V_[at(h)]); }
 
   /// The absolute position of each kept row, pinned rows first.
+  /// \returns size() positions
   std::vector<Index> positions() const {
     std::vector<Index> out;
     for (Index p = 0; p < pinned_held(); ++p) out.push_back(p);

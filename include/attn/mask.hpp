@@ -52,6 +52,7 @@ inline Mask causal_mask(Index n, Index m, Causal align = Causal::BottomRight) {
 /// only the lower bound applies (no causal upper bound).
 /// \param n, m    queries and keys, >= 0
 /// \param window  how many keys before the query's own position stay visible, >= 0
+/// \param align   `BottomRight` (default), `TopLeft` or `None`: where the window ends (above)
 /// \returns an n x m mask, `true` = may attend.
 /// \throws shape_error if a size or the window is negative.
 inline Mask sliding_window_mask(Index n, Index m, Index window,

@@ -1,7 +1,8 @@
 #pragma once
 /// \file multi_head.hpp
-/// The `MultiHeadAttention` layer (Vaswani et al. 2017) with PyTorch `nn.MultiheadAttention`
-/// semantics and weight loading; its heads go through the core of `heads.hpp`.
+/// The `MultiHeadAttention` layer with PyTorch `nn.MultiheadAttention` semantics and weight
+/// loading; its heads go through the core of `heads.hpp`. The layer is the Transformer's (Vaswani
+/// et al. 2017).
 
 #include <algorithm>
 #include <cmath>
@@ -20,7 +21,9 @@
 #include "detail/score_rule.hpp"
 #include "error.hpp"
 #include "heads.hpp"
+#include "kv_cache.hpp"
 #include "projection.hpp"
+#include "rope.hpp"
 #include "scores.hpp"
 #include "tensor.hpp"
 #include "threads.hpp"
@@ -55,8 +58,8 @@ Matrix<T> xavier_uniform(Index fan_in, Index fan_out, UniformSource& source) {
 
 /// The shape of a `MultiHeadAttention` layer.
 struct MultiHeadConfig {
-  Index embed_dim;             ///< E: width of the queries and of the output
-  Index num_heads;             ///< heads; E must be divisible by it (head_dim = E / heads)
+  Index embed_dim;             ///< d_model: width of the queries and of the output
+  Index num_heads;             ///< heads, dividing d_model (head_dim = d_model / heads)
   Index kdim = 0;              ///< width of the keys' input; 0 = embed_dim
   Index vdim = 0;              ///< width of the values' input; 0 = embed_dim
   bool bias = true;            ///< input and output projection biases
@@ -105,10 +108,10 @@ struct MultiHeadWorkspace {
   Matrix<T> dV_extra;  ///< (batch extra, kv_heads head_dim) of the appended values, per item
   /// Ask the system (Linux) for 2 MiB pages when a buffer of 4 MiB or more is allocated, here or in
   /// the result (`detail::resize_large`). The convenience overloads' workspace sets it: their
-  /// results go back to the system when their owners drop them, and on the project's machines
-  /// (virtual machines) each such return made the next touch of other 4 KiB pages fault again.
-  /// Off by default: set for the hot path's workspace too, it made the hot path 2-8% slower at
-  /// (8, 2048, 512) there (README, "The returning overload and 2 MiB pages").
+  /// results go back to the system when their owners drop them, and where page faults are costly
+  /// (virtual machines) each such return can make the next touch of other 4 KiB pages fault again.
+  /// Off by default: set for the hot path's workspace too, it slowed the hot path (chosen by
+  /// measurement; see docs/benchmarks.md).
   bool large_pages = false;
 };
 
@@ -116,17 +119,13 @@ namespace detail {
 /// This thread's workspace for the convenience overloads of `MultiHeadAttention::forward` and
 /// `backward` (those that return their result): kept between calls like the packed keys of the
 /// score kernel, each buffer reallocated only when its size changes, so that a repeated call of
-/// one shape allocates only the result it returns. Fresh memory is costly where page faults are:
-/// on one of the project's machines (a virtual machine, 11 us per 4 KiB page) a fresh workspace
-/// made the convenience overload 1.6-2.7x slower than the hot path at (batch 1-8, 128-2048
-/// tokens, E = 512). Its `large_pages` is set (see there).
+/// one shape allocates only the result it returns. Fresh memory is costly where page faults are
+/// (virtual machines): a fresh workspace per call made the convenience overload much slower than
+/// the hot path (see docs/benchmarks.md). Its `large_pages` is set (see there).
 template <class T>
 MultiHeadWorkspace<T>& thread_workspace() {
-  static thread_local MultiHeadWorkspace<T> workspace = [] {
-    MultiHeadWorkspace<T> fresh;
-    fresh.large_pages = true;
-    return fresh;
-  }();
+  MultiHeadWorkspace<T>& workspace = thread_buffer<MultiHeadWorkspace<T>, MultiHeadWorkspace<T>>();
+  workspace.large_pages = true;
   return workspace;
 }
 }  // namespace detail
@@ -145,6 +144,14 @@ struct MultiHeadGrads {
   Matrix<T> dW_O;                       ///< (heads head_dim, embed_dim), as W_O
   RowVector<T> db_Q, db_K, db_V, db_O;  ///< as b_Q ... b_O; empty when bias == false
   RowVector<T> d_bias_k, d_bias_v;      ///< as bias_k, bias_v; empty unless add_bias_kv
+  /// \var db_Q
+  /// As b_Q; empty when bias == false.
+  /// \var db_K
+  /// As b_K; empty when bias == false.
+  /// \var db_V
+  /// As b_V; empty when bias == false.
+  /// \var d_bias_k
+  /// As bias_k; empty unless add_bias_kv.
 
   /// dL/dx when query, key and value are one tensor x (self-attention, and the single-sequence
   /// `backward`): d_query + d_key + d_value.
@@ -180,22 +187,28 @@ struct MultiHeadGrads {
     stacked << dW_Q.transpose(), dW_K.transpose(), dW_V.transpose();
     return stacked;
   }
-  /// PyTorch's q_proj_weight.grad (E, E): dW_Q^T.
+  /// PyTorch's q_proj_weight.grad: dW_Q^T.
+  /// \returns (E, E)
   Matrix<T> q_proj_weight_grad() const { return dW_Q.transpose(); }
-  /// PyTorch's k_proj_weight.grad (E, kdim): dW_K^T.
+  /// PyTorch's k_proj_weight.grad: dW_K^T.
+  /// \returns (E, kdim)
   Matrix<T> k_proj_weight_grad() const { return dW_K.transpose(); }
-  /// PyTorch's v_proj_weight.grad (E, vdim): dW_V^T.
+  /// PyTorch's v_proj_weight.grad: dW_V^T.
+  /// \returns (E, vdim)
   Matrix<T> v_proj_weight_grad() const { return dW_V.transpose(); }
-  /// PyTorch's in_proj_bias.grad: [db_Q, db_K, db_V] (empty when bias == false).
+  /// PyTorch's in_proj_bias.grad: [db_Q, db_K, db_V].
+  /// \returns 3E entries ((heads + 2 kv_heads) head_dim in general); empty when bias == false
   RowVector<T> in_proj_bias_grad() const {
     if (db_Q.size() == 0) return {};
     RowVector<T> stacked(db_Q.size() + db_K.size() + db_V.size());
     stacked << db_Q, db_K, db_V;
     return stacked;
   }
-  /// PyTorch's out_proj.weight.grad (E, heads head_dim): dW_O^T.
+  /// PyTorch's out_proj.weight.grad: dW_O^T.
+  /// \returns (E, heads head_dim)
   Matrix<T> out_proj_weight_grad() const { return dW_O.transpose(); }
-  /// PyTorch's out_proj.bias.grad: db_O (empty when bias == false).
+  /// PyTorch's out_proj.bias.grad: db_O.
+  /// \returns E entries, empty when bias == false
   RowVector<T> out_proj_bias_grad() const { return db_O; }
 };
 
@@ -220,8 +233,9 @@ struct LayerBackwardScratch {
 
 }  // namespace detail
 
-/// Multi-head attention (Vaswani et al. 2017), in the documents' convention `Q = X W_Q`, with
-/// PyTorch `nn.MultiheadAttention` semantics and weight loading.
+/// Multi-head attention in the documents' convention `Q = X W_Q`, with PyTorch
+/// `nn.MultiheadAttention` semantics and weight loading. The layer is the Transformer's (Vaswani
+/// et al. 2017).
 ///
 /// Head h uses columns [h * head_dim, (h + 1) * head_dim) of W_Q (and of W_K, W_V for its key/value
 /// head h / (num_heads / num_kv_heads)); the heads' outputs are concatenated in head order and
@@ -231,6 +245,9 @@ class MultiHeadAttention {
  public:
   /// Builds the layer with Xavier-uniform weights (bound sqrt(6 / (fan_in + fan_out)) per matrix)
   /// drawn from `seed`, and zero biases.
+  /// \param config  embed_dim, num_heads, kdim, vdim, bias, num_kv_heads, add_bias_kv,
+  ///                add_zero_attn
+  /// \param seed    the seed of the weights' random numbers (the same weights on every platform)
   /// \throws shape_error if embed_dim or num_heads is not positive, embed_dim % num_heads != 0, or
   ///         num_heads % num_kv_heads != 0.
   explicit MultiHeadAttention(const MultiHeadConfig& config, std::uint64_t seed = 0)
@@ -261,11 +278,32 @@ class MultiHeadAttention {
   Matrix<T> W_O;                    ///< (heads * head_dim, embed_dim)
   RowVector<T> b_Q, b_K, b_V, b_O;  ///< the projections' biases; empty when bias == false
   RowVector<T> bias_k, bias_v;      ///< the appended key/value rows; empty unless add_bias_kv
+  /// \var b_Q
+  /// The bias of the query projection, heads * head_dim entries; empty when bias == false.
+  /// \var b_K
+  /// The bias of the key projection, kv_heads * head_dim entries; empty when bias == false.
+  /// \var b_V
+  /// The bias of the value projection, kv_heads * head_dim entries; empty when bias == false.
+  /// \var bias_k
+  /// The appended key row, kv_heads * head_dim entries; empty unless add_bias_kv.
 
+  /// Rotary position embedding of the projected queries and keys, every head alike (unset: none).
+  /// Keys stand at positions 0 .. m - 1 of their item, queries at `query_offset + i` (or the
+  /// options' default query offset: m - n for bottom-right causal, 0 otherwise); in `forward_step`
+  /// both continue the cache's positions. The appended add_bias_kv / add_zero_attn rows are not
+  /// rotated. `rope_options.rotary_dim` counts within one head.
+  std::optional<RopeStyle> rope;
+  RopeOptions<T> rope_options;  ///< base, rotary_dim and scaling of `rope` (see `RopeOptions`)
+
+  /// The configuration, with kdim, vdim and num_kv_heads filled in where they were 0.
+  /// \returns the configuration
   const MultiHeadConfig& config() const { return config_; }
+  /// The width of one head.
+  /// \returns head_dim = embed_dim / num_heads
   Index head_dim() const { return config_.embed_dim / config_.num_heads; }
 
-  /// Number of learned scalars: 4 E^2 + 4 E for E = 512 and 8 heads, 1,050,624.
+  /// Number of learned scalars: 4 d_model^2 + 4 d_model for d_model = 512 and 8 heads, 1,050,624.
+  /// \returns the sizes of the weights and biases, summed
   Index parameter_count() const {
     return W_Q.size() + W_K.size() + W_V.size() + W_O.size() + b_Q.size() + b_K.size() +
            b_V.size() + b_O.size() + bias_k.size() + bias_v.size();
@@ -321,9 +359,9 @@ class MultiHeadAttention {
   }
 
   /// Attention of a batch of queries over a batch of keys and values.
-  /// \param query  (batch, n, embed_dim)
-  /// \param key    (batch, m, kdim)
-  /// \param value  (batch, m, vdim)
+  /// \param query    (batch, n, embed_dim)
+  /// \param key      (batch, m, kdim)
+  /// \param value    (batch, m, vdim)
   /// \param options  causal, window, mask (n x m, shared by the batch), bias (n x m), scale,
   ///                 softcap, ALiBi, sink (every head, or per head: alibi_slopes, sinks),
   ///                 key_valid (batch x m), weights output
@@ -345,8 +383,12 @@ class MultiHeadAttention {
   }
 
   /// `forward` into caller storage: the hot path. `workspace` and `result` are reused from call to
-  /// call (resized only when a shape changes), which spares the page faults of fresh allocations:
-  /// at (batch 8, 128 tokens, E = 512) they were most of the time of a call.
+  /// call (resized only when a shape changes), which spares the page faults of fresh allocations
+  /// (see docs/benchmarks.md).
+  /// \param query      (batch, n, embed_dim)
+  /// \param key        (batch, m, kdim)
+  /// \param value      (batch, m, vdim)
+  /// \param options    as for the overload returning its result
   /// \param workspace  working memory, any state (see `MultiHeadWorkspace`)
   /// \param result     overwritten like the value `forward` returns; fields not asked for are
   ///                   left empty
@@ -365,6 +407,7 @@ class MultiHeadAttention {
     project_into(detail::flatten(query), W_Q, b_Q, ws.Q, ws.large_pages);
     project_into(detail::flatten(key), W_K, b_K, ws.K, ws.large_pages);
     project_into(detail::flatten(value), W_V, b_V, ws.V, ws.large_pages);
+    rotate(function, ws, options, batch, n, m, detail::RopeRotation::Forward);
 
     // 2. Each (batch item, head) in parallel (`attend_head`), written straight into the item's
     //    rows and the head's columns of the concatenated heads.
@@ -401,7 +444,8 @@ class MultiHeadAttention {
   }
 
   /// Self-attention of one sequence: `forward(X, X, X)` without the batch dimension.
-  /// \param X  (n, embed_dim); requires kdim == vdim == embed_dim
+  /// \param X        (n, embed_dim); requires kdim == vdim == embed_dim
+  /// \param options  as for the batched `forward`; `key_valid`, when set, is 1 x n
   /// \returns (n, embed_dim)
   Matrix<T> forward(const Matrix<T>& X, const MultiHeadOptions<T>& options = {}) const {
     Tensor3<T> x(1, X.rows(), X.cols());
@@ -436,6 +480,13 @@ class MultiHeadAttention {
 
   /// `backward` into caller storage: `workspace` (any state, shared with `forward`) and `grads`
   /// are reused from call to call, resized only when a shape changes.
+  /// \param query      (batch, n, embed_dim)
+  /// \param key        (batch, m, kdim)
+  /// \param value      (batch, m, vdim)
+  /// \param d_output   (batch, n, embed_dim): gradient of the loss with respect to the output
+  /// \param options    the forward's options
+  /// \param workspace  working memory, any state (see `MultiHeadWorkspace`)
+  /// \param grads      overwritten like the value `backward` returns
   /// \throws shape_error as `backward`.
   void backward(const Tensor3<T>& query, const Tensor3<T>& key, const Tensor3<T>& value,
                 const Tensor3<T>& d_output, const MultiHeadOptions<T>& options,
@@ -462,6 +513,7 @@ class MultiHeadAttention {
     project_into(detail::flatten(query), W_Q, b_Q, ws.Q, ws.large_pages);
     project_into(detail::flatten(key), W_K, b_K, ws.K, ws.large_pages);
     project_into(detail::flatten(value), W_V, b_V, ws.V, ws.large_pages);
+    rotate(function, ws, options, batch, n, m, detail::RopeRotation::Forward);
     prepare_heads(ws, batch, n);
     detail::resize_large(ws.lse, ws.large_pages, batch * heads, n);
     const detail::ScoreRule<T> shared = detail::make_rule<T>(options, n, m, hd);
@@ -527,8 +579,10 @@ class MultiHeadAttention {
           }
         });
 
-    // 4. Input projections P = X W + b: dX = dP W^T, dW = X^T dP, db = colsum(dP); add_bias_kv's
-    //    rows take the appended keys' (values') first row, summed over the items in item order.
+    // 4. Input projections P = X W + b (rotated by RoPE, when set: its transpose first): dX = dP
+    //    W^T, dW = X^T dP, db = colsum(dP); add_bias_kv's rows take the appended keys' (values')
+    //    first row, summed over the items in item order.
+    rotate_gradients(ws, options, batch, n, m);
     input_grads(query, W_Q, ws.dQ, grads.d_query, grads.dW_Q, grads.db_Q, ws.large_pages);
     input_grads(key, W_K, ws.dK, grads.d_key, grads.dW_K, grads.db_K, ws.large_pages);
     input_grads(value, W_V, ws.dV, grads.d_value, grads.dW_V, grads.db_V, ws.large_pages);
@@ -545,10 +599,76 @@ class MultiHeadAttention {
     }
   }
 
+  /// One step of a decoder over a key/value cache: projects x to queries, keys and values, rotates
+  /// them by `rope` when set (at the positions that continue the cache's), appends the keys and
+  /// values to `cache`, attends the queries over everything the cache keeps (causal; the queries
+  /// are the cache's last n positions unless `options.query_offset` says otherwise) and projects
+  /// the heads' outputs. A prefill is one step of many rows; decoding, steps of one row. The
+  /// result equals the rows of `forward(X)` (causal, bottom right) for the whole sequence, up to
+  /// rounding.
+  /// \param x        n x embed_dim, the new tokens (self-attention: kdim == vdim == embed_dim)
+  /// \param cache    d_k == d_v == head_dim(), kv_heads == num_kv_heads; appended to. A cache that
+  ///                 rotates keys itself (`config().rope`) takes the place of the layer's `rope`,
+  ///                 which must then be unset
+  /// \param options  the cache's attention options (scale, softcap, ALiBi, sink, window, ...)
+  /// \returns n x embed_dim
+  /// \throws shape_error on mismatched shapes, a layer with add_bias_kv or add_zero_attn, or RoPE
+  ///         in both the layer and the cache (before the cache changes); the options are checked
+  ///         by `KVCache::attend`, after the append.
+  template <class DX>
+  Matrix<T> forward_step(const Eigen::MatrixBase<DX>& x, KVCache<T>& cache,
+                         const AttentionOptions<T>& options = {}) const {
+    const char* function = "MultiHeadAttention::forward_step";
+    static_assert(std::is_same_v<typename DX::Scalar, T>, "x must have the layer's scalar type");
+    const Index hd = head_dim();
+    const KVCacheConfig<T>& cc = cache.config();
+    if (x.cols() != config_.embed_dim || config_.kdim != config_.embed_dim ||
+        config_.vdim != config_.embed_dim) {
+      detail::fail(function, "x is ", detail::shape_of(x), " but the layer needs ",
+                   config_.embed_dim, " columns and kdim == vdim == embed_dim (kdim ", config_.kdim,
+                   ", vdim ", config_.vdim, ")");
+    }
+    if (extra_keys() > 0) {
+      detail::fail(function, "a layer with add_bias_kv or add_zero_attn has no cache step");
+    }
+    if (cc.d_k != hd || cc.d_v != hd || cc.kv_heads != config_.num_kv_heads) {
+      detail::fail(function, "the cache holds ", cc.kv_heads, " key/value heads of d_k = ", cc.d_k,
+                   ", d_v = ", cc.d_v, " but the layer has ", config_.num_kv_heads, " of head_dim ",
+                   hd);
+    }
+    if (rope && cc.rope) {
+      detail::fail(function, "both the layer and the cache apply RoPE: set one of them");
+    }
+    const detail::ConstRef<T> input(x);
+    Matrix<T> Q, K, V;
+    project_into(input, W_Q, b_Q, Q);
+    project_into(input, W_K, b_K, K);
+    project_into(input, W_V, b_V, V);
+    if (rope) {
+      const Index first = cache.position();
+      const Index q_first = options.query_offset ? *options.query_offset : first;
+      if (q_first < 0) {
+        detail::fail(function, "with RoPE the queries' position must be >= 0, got ", q_first);
+      }
+      const detail::RopeTable table = detail::rope_table(function, hd, rope_options);
+      detail::checked_add(function, first, x.rows(), "the positions of the new keys");
+      detail::checked_add(function, q_first, x.rows(), "the positions of the queries");
+      detail::rope_kernel<T>(Q, hd, q_first, *rope, table);
+      detail::rope_kernel<T>(K, hd, first, *rope, table);
+    }
+    cache.append(K, V);
+    Matrix<T> heads_out;
+    cache.attend(Q, options, heads_out);
+    Matrix<T> out;
+    project_into(heads_out, W_O, b_O, out);
+    return out;
+  }
+
   /// Gradients of the single-sequence self-attention `forward(X)`: `backward(X, X, X, ...)`
   /// without the batch dimension.
   /// \param X         (n, embed_dim); requires kdim == vdim == embed_dim
   /// \param d_output  (n, embed_dim)
+  /// \param options   the forward's options
   /// \returns the gradients with batch 1: X's three roles in d_query, d_key, d_value (their sum,
   ///          dL/dX, is `self_input_grad()`), and the parameters'
   MultiHeadGrads<T> backward(const Matrix<T>& X, const Matrix<T>& d_output,
@@ -620,6 +740,43 @@ class MultiHeadAttention {
     }
     detail::product_kernel<T>(X, W, Y);
     if (b.size() > 0) Y.rowwise() += b;
+  }
+
+  /// RoPE (or its transpose) of the projected queries and keys of every batch item, in place:
+  /// item b's queries at the call's query positions, its keys at 0 .. m - 1. Nothing without
+  /// `rope`.
+  void rotate(const char* function, MultiHeadWorkspace<T>& ws, const MultiHeadOptions<T>& options,
+              Index batch, Index n, Index m, detail::RopeRotation rotation) const {
+    if (!rope) return;
+    const Index hd = head_dim();
+    const Index q_first = detail::query_position(options, n, m);
+    if (q_first < 0) {
+      detail::fail(function, "with RoPE the queries' position must be >= 0, got ", q_first,
+                   " (query_offset, or m - n = ", m - n, " for bottom-right causal)");
+    }
+    detail::checked_add(function, q_first, n, "the queries' positions");
+    const detail::RopeTable table = detail::rope_table(function, hd, rope_options);
+    for (Index b = 0; b < batch; ++b) {
+      detail::rope_kernel<T>(ws.Q.middleRows(b * n, n), hd, q_first, *rope, table, rotation);
+      detail::rope_kernel<T>(ws.K.middleRows(b * m, m), hd, 0, *rope, table, rotation);
+    }
+  }
+
+  /// The backward of `rotate` on the gradients of the projected queries and keys (`ws.dQ`,
+  /// `ws.dK`): the transposed rotation.
+  void rotate_gradients(MultiHeadWorkspace<T>& ws, const MultiHeadOptions<T>& options, Index batch,
+                        Index n, Index m) const {
+    if (!rope) return;
+    const Index hd = head_dim();
+    const Index q_first = detail::query_position(options, n, m);
+    const detail::RopeTable table =
+        detail::rope_table("MultiHeadAttention::backward", hd, rope_options);
+    for (Index b = 0; b < batch; ++b) {
+      detail::rope_kernel<T>(ws.dQ.middleRows(b * n, n), hd, q_first, *rope, table,
+                             detail::RopeRotation::Transposed);
+      detail::rope_kernel<T>(ws.dK.middleRows(b * m, m), hd, 0, *rope, table,
+                             detail::RopeRotation::Transposed);
+    }
   }
 
   /// Rows appended to every item's keys: one for add_bias_kv, one for add_zero_attn.

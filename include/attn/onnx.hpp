@@ -28,6 +28,8 @@
 #include "types.hpp"
 
 namespace attn {
+/// The ONNX `Attention` operator as one call (`attention`, `output_shapes`), with its inputs,
+/// attributes and outputs.
 namespace onnx {
 
 /// A dense tensor of any rank, row-major (the last axis varies fastest), as ONNX stores it.
@@ -38,8 +40,11 @@ struct Tensor {
   std::vector<S> data;       ///< the elements in row-major order
 
   /// The number of axes.
+  /// \returns `shape.size()`
   Index rank() const { return static_cast<Index>(shape.size()); }
   /// The extent of `axis` (0-based; no bounds check beyond `ATTN_ASSERT`).
+  /// \param axis  0 to rank() - 1
+  /// \returns `shape[axis]`
   Index dim(Index axis) const {
     ATTN_ASSERT(axis >= 0 && axis < rank());
     return shape[static_cast<std::size_t>(axis)];
@@ -574,6 +579,12 @@ namespace onnx {
 
 /// The shapes `attention` would give its outputs, after every check `attention` makes (the same
 /// shape_error for the same inputs), without computing or allocating them.
+/// \param inputs      as for `attention`
+/// \param attributes  the node's attributes (see `Attributes`)
+/// \param request     which optional outputs to produce
+/// \param storage     as for `attention` (`Int8` is refused)
+/// \returns the extents of Y, `present_key`, `present_value` and `qk_matmul_output`
+/// \throws shape_error as `attention` does.
 template <class T>
 OutputShapes output_shapes(const Inputs<T>& inputs, const Attributes& attributes = {},
                            const OutputRequest& request = {}, KVStorage storage = KVStorage::Same) {

@@ -1,10 +1,12 @@
 #pragma once
 /// \file positional.hpp
-/// Where each token is: sinusoidal encodings (Vaswani et al. 2017, and the layouts of Hugging Face
-/// Marian/BART and tensor2tensor/fairseq), learned position embeddings (BERT, GPT-2; with the
-/// gradient of their table) and the standard ALiBi slopes (Press et al. 2022). Rotary position
-/// embedding (RoPE, with partial rotation, linear, NTK-aware and YaRN scaling, its backward, and
-/// the weight conversion between its two pairings) is in rope.hpp, which this header includes.
+/// Where each token is: sinusoidal encodings, learned position embeddings and ALiBi slopes. The
+/// sinusoidal encodings of Vaswani et al. 2017 come in their layout and in those of Hugging Face
+/// Marian/BART and tensor2tensor/fairseq; the learned ones are BERT's and GPT-2's (with the
+/// gradient of their table); the ALiBi slopes are the standard ones (Press et al. 2022). Rotary
+/// position embedding (RoPE, with partial rotation, linear, NTK-aware and YaRN scaling, its
+/// backward, and the weight conversion between its two pairings) is in rope.hpp, which this header
+/// includes.
 ///
 /// Self-attention alone is permutation equivariant: permuting the tokens permutes the output rows
 /// and nothing else ("dog bites man" and "man bites dog" get the same rows). Each of these adds
@@ -120,6 +122,8 @@ template <class T>
 class LearnedPositionalEmbedding {
  public:
   /// A zero table (load trained values into `table`).
+  /// \param max_len  positions the table holds, >= 1
+  /// \param d_model  width of one embedding, >= 1
   /// \throws shape_error if max_len < 1 or d_model < 1.
   LearnedPositionalEmbedding(Index max_len, Index d_model) {
     detail::require_positive_size("LearnedPositionalEmbedding", "max_len", max_len);
@@ -127,7 +131,9 @@ class LearnedPositionalEmbedding {
     table = Matrix<T>::Zero(max_len, d_model);
   }
 
-  /// Takes a trained (max_len, d_model) table (e.g. GPT-2's `wpe.weight`, which has this layout).
+  /// Takes a trained (max_len, d_model) table (GPT-2's `wpe.weight`, say, which has this layout).
+  /// \param trained  max_len x d_model, max_len >= 1 and d_model >= 1
+  /// \throws shape_error if the table has no rows or no columns.
   template <class D>
   explicit LearnedPositionalEmbedding(const Eigen::MatrixBase<D>& trained) : table(trained) {
     detail::require_positive_size("LearnedPositionalEmbedding", "table rows", table.rows());
@@ -136,7 +142,11 @@ class LearnedPositionalEmbedding {
 
   Matrix<T> table;  ///< (max_len, d_model): row p is the embedding of position p
 
+  /// The number of positions the table holds.
+  /// \returns max_len, the table's rows
   Index max_len() const { return table.rows(); }
+  /// The width of one embedding.
+  /// \returns d_model, the table's columns
   Index d_model() const { return table.cols(); }
 
   /// Adds the embeddings of positions offset .. offset + n - 1 to the rows of X, in place.
@@ -150,12 +160,18 @@ class LearnedPositionalEmbedding {
     X += table.middleRows(offset, X.rows());
   }
   /// `add_to` for a temporary writable expression (`M.middleRows(...)`).
+  /// \param X       n x d_model, a writable block of a matrix, modified
+  /// \param offset  position of X's first row, >= 0
   template <class D>
   void add_to(Eigen::MatrixBase<D>&& X, Index offset = 0) const {
     add_to(X, offset);
   }
 
   /// `X + table rows [offset, offset + n)`, as a new matrix (see `add_to`).
+  /// \param X       n x d_model
+  /// \param offset  position of X's first row, >= 0
+  /// \returns n x d_model
+  /// \throws shape_error as `add_to`.
   template <class D>
   Matrix<T> added(const Eigen::MatrixBase<D>& X, Index offset = 0) const {
     check("LearnedPositionalEmbedding::added", "X", X, offset);
@@ -203,6 +219,9 @@ class LearnedPositionalEmbedding {
     dtable.middleRows(offset, dY.rows()) += dY;
   }
   /// `accumulate_table_gradient` into a temporary writable expression (`M.middleCols(...)`).
+  /// \param dY      n x d_model, the gradient of the loss with respect to Y
+  /// \param offset  the forward's position of the first row, >= 0
+  /// \param dtable  max_len x d_model, a writable block of a matrix, added to
   template <class D, class G>
   void accumulate_table_gradient(const Eigen::MatrixBase<D>& dY, Index offset,
                                  Eigen::MatrixBase<G>&& dtable) const {
@@ -233,8 +252,8 @@ class LearnedPositionalEmbedding {
 // ALiBi
 // ------------------------------------------------------------------------------------------------
 
-/// The standard ALiBi slopes of `heads` heads (Press et al. 2022, and their reference
-/// `get_slopes`): for H a power of two, head h (0-based) gets `2^(-8 (h+1) / H)` (H = 8: 1/2, 1/4,
+/// The standard ALiBi slopes of `heads` heads. As in Press et al. 2022 and their reference
+/// `get_slopes`: for H a power of two, head h (0-based) gets `2^(-8 (h+1) / H)` (H = 8: 1/2, 1/4,
 /// ..., 1/256). Otherwise, with P the largest power of two below H, the first P heads get the
 /// slopes of P, and the remaining H - P heads take every other slope of 2P, starting with the
 /// first: `2^(-8 (2k+1) / (2P))`, k = 0 .. H-P-1 (H = 12: 2^-1 .. 2^-8, then 2^-0.5, 2^-1.5,

@@ -73,12 +73,15 @@ Matrix<typename DX::Scalar> project(const Eigen::MatrixBase<DX>& X, const Eigen:
   return Y;
 }
 
-/// Queries, keys and values of one sequence: `{X W_Q, X W_K, X W_V}`.
+/// Queries, keys and values of one sequence: `{X W_Q, X W_K, X W_V}`. With several heads side by
+/// side, W_K may be narrower than W_Q (grouped-query attention: `heads` query heads over
+/// `kv_heads` key heads of the same width, so W_Q has heads d_k columns and W_K kv_heads d_k).
 /// \param X    n x d_in
-/// \param W_Q  d_in x d_k
-/// \param W_K  d_in x d_k
-/// \param W_V  d_in x d_v
-/// \throws shape_error if a W has the wrong number of rows or W_Q and W_K differ in width.
+/// \param W_Q  d_in x (heads d_k)
+/// \param W_K  d_in x (kv_heads d_k), its width dividing W_Q's (equal for one head)
+/// \param W_V  d_in x (kv_heads d_v)
+/// \returns `{Q, K, V}`: Q n x (heads d_k), K n x (kv_heads d_k), V n x (kv_heads d_v)
+/// \throws shape_error if a W has the wrong number of rows or W_K's width does not divide W_Q's.
 template <class DX, class DQ, class DK, class DV>
 QKV<typename DX::Scalar> project_qkv(const Eigen::MatrixBase<DX>& X,
                                      const Eigen::MatrixBase<DQ>& W_Q,
@@ -87,7 +90,12 @@ QKV<typename DX::Scalar> project_qkv(const Eigen::MatrixBase<DX>& X,
   detail::check_projection("project_qkv", X, W_Q, "W_Q");
   detail::check_projection("project_qkv", X, W_K, "W_K");
   detail::check_projection("project_qkv", X, W_V, "W_V");
-  detail::require_same_cols("project_qkv", "W_K", W_K, "W_Q", W_Q);
+  if (W_K.cols() == 0 || W_Q.cols() % W_K.cols() != 0) {
+    detail::fail(
+        "project_qkv", "W_K is ", detail::shape_of(W_K), " and W_Q ", detail::shape_of(W_Q),
+        ": W_K's width must divide W_Q's (equal widths, or heads query heads over kv_heads ",
+        "key heads of one width)");
+  }
   using T = typename DX::Scalar;
   const detail::ConstRef<T> x(X);  // evaluate an expression X once, not three times
   QKV<T> qkv{Matrix<T>(X.rows(), W_Q.cols()), Matrix<T>(X.rows(), W_K.cols()),

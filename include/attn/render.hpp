@@ -48,9 +48,11 @@ struct HeatmapOptions {
   Causal causal = Causal::None;
   /// n x m, `true` = may attend; the other cells are hatched. Combined with `causal`.
   std::optional<Mask> mask;
-  /// The values mapped to the two ends of the colour scale. By default [0, 1] when every finite
-  /// value lies in it (attention weights), else the smallest and largest finite values.
+  /// The value mapped to the low end of the colour scale. By default the scale is [0, 1] when
+  /// every finite value lies in it (attention weights), else the smallest to the largest finite
+  /// value.
   std::optional<double> low;
+  /// The value mapped to the high end of the colour scale (the default: see `low`).
   std::optional<double> high;
   /// Each cell shows its value when the table has at most this many rows and columns.
   Index values_up_to = 12;
@@ -455,11 +457,13 @@ inline std::string terminal_heatmap_kernel(const HeatmapInput& input,
 /// inputs: colour only on a terminal and only when `NO_COLOR` is unset or empty.
 /// \param stdout_is_terminal  whether standard output is a terminal (`isatty`)
 /// \param no_color            the value of the `NO_COLOR` environment variable, or nullptr
+/// \returns whether to colour
 inline bool color_wanted(bool stdout_is_terminal, const char* no_color) {
   return stdout_is_terminal && (no_color == nullptr || *no_color == '\0');
 }
 
 /// `color_wanted` for this process: `isatty(stdout)` and `getenv("NO_COLOR")`.
+/// \returns whether this process's standard output gets colour under `ColorChoice::Auto`
 inline bool stdout_wants_color() {
 #if defined(_WIN32)
   const bool terminal = _isatty(_fileno(stdout)) != 0;

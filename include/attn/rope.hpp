@@ -1,14 +1,15 @@
 #pragma once
 /// \file rope.hpp
-/// Rotary position embedding (RoPE, Su et al. 2021): `rope` and `rope_inplace` with both feature
+/// Rotary position embedding (RoPE): `rope` and `rope_inplace` with both feature
 /// pairings, partial rotation and position scaling (linear, NTK-aware, YaRN; `RopeOptions`), their
 /// backward `rope_backward` and `rope_backward_inplace` (the transposed rotation), and
 /// `convert_rope_weights`, the column permutation between the two pairings. The rotation kernel and
 /// its frequency table (`detail::rope_table`, `detail::rope_kernel`) are shared with `KVCache`.
 ///
-/// RoPE puts position information into Q and K (not V): the score `q_m . k_n` of a query at
-/// position m and a key at position n then depends on the positions only through m - n. The other
-/// position encodings (sinusoidal, learned, ALiBi) are in positional.hpp, which includes this file.
+/// RoPE (Su et al. 2021) puts position information into Q and K (not V): the score `q_m . k_n` of
+/// a query at position m and a key at position n then depends on the positions only through m - n.
+/// The other position encodings (sinusoidal, learned, ALiBi) are in positional.hpp, which includes
+/// this file.
 
 #include <algorithm>
 #include <cmath>
@@ -260,19 +261,27 @@ void rope_kernel(Eigen::Ref<Matrix<T>> X, Index head_dim, Index first_position, 
   }
 }
 
-/// `rope_kernel` over X as one head, after checking `offset` and the options.
+/// `rope_kernel` over X as `heads` heads side by side, after checking `offset`, the heads and the
+/// options.
 /// \param name      the operand's name in messages ("X", or "dY" for the backward)
-/// \param X         n x d, row-major, rotated in place
+/// \param X         n x (heads d), row-major, rotated in place
 /// \param rotation  RoPE or its transpose
-/// \throws shape_error naming `function` on a negative offset or invalid options.
+/// \throws shape_error naming `function` on a negative offset, a head count that does not divide
+///         X's columns, or invalid options.
 template <class T>
 void rope_checked(const char* function, const char* name, Eigen::Ref<Matrix<T>> X, Index offset,
-                  RopeStyle style, const RopeOptions<T>& options, RopeRotation rotation) {
+                  RopeStyle style, const RopeOptions<T>& options, RopeRotation rotation,
+                  Index heads = 1) {
   if (offset < 0) {
     fail(function, "offset must be >= 0, got ", offset, " (", name, " is ", shape_of(X), ")");
   }
+  if (heads < 1 || X.cols() % heads != 0) {
+    fail(function, name, " is ", shape_of(X), ": its columns must be a multiple of heads = ", heads,
+         " (>= 1)");
+  }
   checked_add(function, offset, X.rows(), "the positions offset + rows");
-  rope_kernel<T>(X, X.cols(), offset, style, rope_table(function, X.cols(), options), rotation);
+  const Index head_dim = X.cols() / heads;
+  rope_kernel<T>(X, head_dim, offset, style, rope_table(function, head_dim, options), rotation);
 }
 
 /// `rope_checked` on any writable operand: in place when X binds to a row-major `Ref` (a matrix or
@@ -280,14 +289,14 @@ void rope_checked(const char* function, const char* name, Eigen::Ref<Matrix<T>> 
 template <class D>
 void rope_checked_any(const char* function, const char* name, Eigen::MatrixBase<D>& X, Index offset,
                       RopeStyle style, const RopeOptions<typename D::Scalar>& options,
-                      RopeRotation rotation) {
+                      RopeRotation rotation, Index heads = 1) {
   using T = typename D::Scalar;
   static_assert(is_supported_scalar_v<T>, "attn works on floating-point scalars");
   if constexpr (std::is_constructible_v<Eigen::Ref<Matrix<T>>, D&>) {
-    rope_checked<T>(function, name, X.derived(), offset, style, options, rotation);
+    rope_checked<T>(function, name, X.derived(), offset, style, options, rotation, heads);
   } else {
     Matrix<T> copy = X;
-    rope_checked<T>(function, name, copy, offset, style, options, rotation);
+    rope_checked<T>(function, name, copy, offset, style, options, rotation, heads);
     X = copy;
   }
 }
@@ -298,8 +307,8 @@ void rope_checked_any(const char* function, const char* name, Eigen::MatrixBase<
 // Rotation
 // ------------------------------------------------------------------------------------------------
 
-/// Rotary position embedding (RoPE; Su et al. 2021, "RoFormer"), in place. Row r of X is rotated
-/// for position `offset + r`: pair i turns by `theta = p * base^(-2i/d)` (see `RopeOptions` for
+/// Rotary position embedding (RoPE), in place. Row r of X is rotated for position `offset + r`
+/// (RoFormer: Su et al. 2021): pair i turns by `theta = p * base^(-2i/d)` (see `RopeOptions` for
 /// partial rotation and position scaling), `(a, b) -> (a cos - b sin, a sin + b cos)`.
 /// Pairs: `RopeStyle::Interleaved` (2i, 2i+1): RoFormer, GPT-J, Meta's Llama code, ggml "normal";
 /// `RopeStyle::Half` (i, i + d/2): GPT-NeoX, Hugging Face `rotate_half`, ggml "neox".
@@ -325,6 +334,10 @@ void rope_inplace(Eigen::MatrixBase<D>& X, Index offset, RopeStyle style,
 }
 
 /// `rope_inplace` for a temporary writable expression (`M.middleRows(...)`).
+/// \param X        n x d, a writable block of a matrix, modified
+/// \param offset   position of the first row, >= 0
+/// \param style    the feature pairing
+/// \param options  see `RopeOptions`
 template <class D>
 void rope_inplace(Eigen::MatrixBase<D>&& X, Index offset, RopeStyle style,
                   const RopeOptions<typename D::Scalar>& options = {}) {
@@ -397,6 +410,10 @@ void rope_backward_inplace(Eigen::MatrixBase<D>& dY, Index offset, RopeStyle sty
 }
 
 /// `rope_backward_inplace` for a temporary writable expression (`M.middleRows(...)`).
+/// \param dY       n x d, a writable block of a matrix, overwritten with dX
+/// \param offset   the forward's position of the first row, >= 0
+/// \param style    the forward's pairing
+/// \param options  the forward's options
 template <class D>
 void rope_backward_inplace(Eigen::MatrixBase<D>&& dY, Index offset, RopeStyle style,
                            const RopeOptions<typename D::Scalar>& options = {}) {
@@ -441,6 +458,79 @@ Matrix<typename D::Scalar> rope_backward(const Eigen::MatrixBase<D>& dY, Index o
   RopeOptions<T> options;
   options.base = static_cast<T>(base);
   return rope_backward(dY, offset, style, options);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Several heads side by side
+// ------------------------------------------------------------------------------------------------
+
+/// RoPE of every head of X in one call, in place: X holds `heads` heads side by side (n x
+/// (heads d), head h in columns [h d, (h + 1) d), as projections and `KVCache` lay them out), and
+/// each head is rotated as `rope_inplace` rotates one (the same positions and options for all).
+/// \param X        n x (heads d), modified; a matrix or a writable row-major block of one
+/// \param heads    >= 1, dividing X's columns
+/// \param offset   position of the first row, >= 0
+/// \param style    the feature pairing
+/// \param options  see `RopeOptions` (rotary_dim counts within one head)
+/// \throws shape_error as `rope_inplace`, and when heads does not divide X's columns.
+template <class D>
+void rope_heads_inplace(Eigen::MatrixBase<D>& X, Index heads, Index offset, RopeStyle style,
+                        const RopeOptions<typename D::Scalar>& options = {}) {
+  detail::rope_checked_any("rope_heads_inplace", "X", X, offset, style, options,
+                           detail::RopeRotation::Forward, heads);
+}
+
+/// `rope_heads_inplace` for a temporary writable expression (`M.middleRows(...)`).
+/// \param X        n x (heads d), a writable block of a matrix, modified
+/// \param heads    >= 1, dividing X's columns
+/// \param offset   position of the first row, >= 0
+/// \param style    the feature pairing
+/// \param options  see `RopeOptions` (rotary_dim counts within one head)
+template <class D>
+void rope_heads_inplace(Eigen::MatrixBase<D>&& X, Index heads, Index offset, RopeStyle style,
+                        const RopeOptions<typename D::Scalar>& options = {}) {
+  rope_heads_inplace(X, heads, offset, style, options);
+}
+
+/// RoPE of every head of a copy of X (see `rope_heads_inplace`).
+/// \param X        n x (heads d)
+/// \param heads    >= 1, dividing X's columns
+/// \param offset   position of the first row, >= 0
+/// \param style    the feature pairing
+/// \param options  see `RopeOptions`
+/// \returns n x (heads d): row r of each head rotated for position offset + r.
+/// \throws shape_error as `rope_heads_inplace`.
+template <class D>
+Matrix<typename D::Scalar> rope_heads(const Eigen::MatrixBase<D>& X, Index heads, Index offset,
+                                      RopeStyle style,
+                                      const RopeOptions<typename D::Scalar>& options = {}) {
+  using T = typename D::Scalar;
+  static_assert(detail::is_supported_scalar_v<T>, "attn works on floating-point scalars");
+  Matrix<T> Y = X;
+  detail::rope_checked<T>("rope_heads", "X", Y, offset, style, options,
+                          detail::RopeRotation::Forward, heads);
+  return Y;
+}
+
+/// The backward of `rope_heads`: dX for every head, given dY = dL/dY for
+/// Y = rope_heads(X, heads, offset, style, options) (see `rope_backward`).
+/// \param dY       n x (heads d)
+/// \param heads    the forward's head count
+/// \param offset   the forward's position of the first row, >= 0
+/// \param style    the forward's pairing
+/// \param options  the forward's options
+/// \returns n x (heads d): dX.
+/// \throws shape_error as `rope_heads` (naming `rope_heads_backward`).
+template <class D>
+Matrix<typename D::Scalar> rope_heads_backward(
+    const Eigen::MatrixBase<D>& dY, Index heads, Index offset, RopeStyle style,
+    const RopeOptions<typename D::Scalar>& options = {}) {
+  using T = typename D::Scalar;
+  static_assert(detail::is_supported_scalar_v<T>, "attn works on floating-point scalars");
+  Matrix<T> dX = dY;
+  detail::rope_checked<T>("rope_heads_backward", "dY", dX, offset, style, options,
+                          detail::RopeRotation::Transposed, heads);
+  return dX;
 }
 
 // ------------------------------------------------------------------------------------------------

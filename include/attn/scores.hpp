@@ -67,6 +67,9 @@ void scores(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
 }
 
 /// `scale * Q K^T` (see the overload writing into caller storage).
+/// \param Q      n x d_k queries
+/// \param K      m x d_k keys
+/// \param scale  multiplies every score, finite
 /// \returns n x m scores.
 template <class DQ, class DK>
 Matrix<typename DQ::Scalar> scores(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,

@@ -13,9 +13,9 @@
 /// each), so each set would need its own build of the kernels in its own namespace, which Eigen
 /// does not support.
 ///
-/// Two exceptions are dispatched at run time: bfloat16 arithmetic (`set_bfloat16_arithmetic`) and
-/// integer arithmetic over int8 keys and values (`set_int8_arithmetic`), whose kernels are written in
-/// intrinsics only, with their instruction sets named in target attributes, so that every
+/// Two exceptions are dispatched at run time: bfloat16 arithmetic and integer arithmetic over int8
+/// keys and values (`AttentionOptions::stored_arithmetic`), whose kernels are written in intrinsics
+/// only, with their instruction sets named in target attributes, so that every
 /// translation unit compiles the same code whatever its flags.
 ///
 /// `simd_compiled`, `simd_available` and `simd_advice()` have internal linkage (`static`): each
@@ -54,13 +54,25 @@ enum class Simd { None, SSE2, AVX, AVX2, AVX512, NEON };
 
 /// An instruction set and whether fused multiply-add is used (or available) with it.
 struct SimdSet {
+  /// The instruction set.
   Simd isa = Simd::None;
+  /// Whether fused multiply-add is used (or available) with it.
   bool fma = false;
 };
 
+/// Whether two sets are the same instruction set with the same FMA.
+/// \param a  one set
+/// \param b  the other
+/// \returns `a.isa == b.isa && a.fma == b.fma`
 constexpr bool operator==(SimdSet a, SimdSet b) { return a.isa == b.isa && a.fma == b.fma; }
+/// Whether two sets differ in their instruction set or in FMA.
+/// \param a  one set
+/// \param b  the other
+/// \returns `!(a == b)`
 constexpr bool operator!=(SimdSet a, SimdSet b) { return !(a == b); }
 
+/// The name of an instruction set, as the benchmarks and `simd_advice` print it.
+/// \param set  the instruction set and its FMA
 /// \returns the set's name: "none", "SSE2", "AVX", "AVX+FMA", "AVX2", "AVX2+FMA", "AVX-512" (which
 /// always has FMA: Eigen requires it and every AVX-512 CPU has it), "NEON" or "NEON+FMA".
 inline std::string simd_name(SimdSet set) {
@@ -88,6 +100,8 @@ inline std::string simd_name(SimdSet set) {
 
 /// The advice for a program whose kernels were compiled for `compiled` and runs on a CPU that has
 /// `available` (a pure function; `simd_advice()` passes this translation unit's pair).
+/// \param compiled   the set the kernels were compiled for (`simd_compiled()`)
+/// \param available  the set the CPU has (`simd_available()`)
 /// \returns an empty string when the two are equal; when the CPU has more, one sentence naming
 ///   both sets and `attn::native`, e.g. "attn: compiled for SSE2 but this CPU has AVX-512: link
 ///   attn::native (CMake) or compile with -march=native for the faster kernels"; when it has
@@ -111,6 +125,7 @@ inline std::string simd_advice(SimdSet compiled, SimdSet available) {
 /// (`EIGEN_VECTORIZE_AVX512`, `_AVX2`, `_AVX`, `_SSE2`, `_NEON`, and `EIGEN_VECTORIZE_FMA`; on NEON,
 /// FMA is `__ARM_FEATURE_FMA`). `Simd::None` when Eigen does not vectorise
 /// (`EIGEN_DONT_VECTORIZE`, or no SIMD flag on a 32-bit target).
+/// \returns the set and whether FMA is used with it
 static constexpr SimdSet simd_compiled() {
   SimdSet set;
 #if defined(EIGEN_VECTORIZE_AVX512)
@@ -134,6 +149,7 @@ static constexpr SimdSet simd_compiled() {
 /// `simd_compiled`: on x86 with GCC or Clang, from `__builtin_cpu_supports` ("avx512f", "avx2",
 /// "avx", "sse2", "fma"). Elsewhere (other CPUs, other compilers) attn does not look and returns
 /// `simd_compiled()`, so that `simd_advice()` is empty there.
+/// \returns the set and whether the CPU has FMA
 /// \note Cheap (the compiler's runtime reads CPUID once); safe before `main`.
 static inline SimdSet simd_available() {
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
@@ -157,12 +173,23 @@ static inline SimdSet simd_available() {
 
 /// `simd_advice(simd_compiled(), simd_available())`: empty when this translation unit was
 /// compiled for the best set this CPU has (and wherever `simd_available` does not look), else one
-/// sentence, e.g. "attn: compiled for SSE2 but this CPU has AVX-512: link attn::native (CMake) or
+/// sentence such as "attn: compiled for SSE2 but this CPU has AVX-512: link attn::native (CMake) or
 /// compile with -march=native for the faster kernels". A program may print it at start.
+/// \returns the advice, or an empty string
 static inline std::string simd_advice() { return simd_advice(simd_compiled(), simd_available()); }
 
 /// Whether this CPU runs AVX512_BF16's `vdpbf16ps` (on x86 with GCC or Clang, from
-/// `__builtin_cpu_supports`; false elsewhere). Asked once.
+/// `__builtin_cpu_supports`; false elsewhere). Asked once. Where it does, a call with
+/// `StoredArithmetic::Reduced` over float queries and bfloat16 keys computes:
+/// - a decoding step over keys kept in `KVStorage::BFloat16` (4 query heads per key/value head,
+///   d_k a multiple of 32): its scores with `vdpbf16ps`, on the scaled queries rounded to bfloat16;
+/// - the tiled kernel (`flash_attention` and `attention_heads` with `Eigen::bfloat16` K and V, a
+///   `KVStorage::BFloat16` cache's several queries), in translation units compiled for AVX-512
+///   (`attn::native` on such a CPU): its score tiles with `vdpbf16ps` on the queries rounded to
+///   bfloat16 and, when d_v is a multiple of 16, its value tiles on the probabilities rounded to
+///   bfloat16 (the softmax's sums stay in float).
+/// The results carry those roundings (tests/kv_storage_test.cpp bounds them).
+/// \returns whether the CPU has AVX512F and AVX512_BF16
 inline bool bfloat16_arithmetic_available() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   static const bool yes = [] {
@@ -175,36 +202,16 @@ inline bool bfloat16_arithmetic_available() {
 #endif
 }
 
-namespace detail {
-inline std::atomic<bool>& bfloat16_arithmetic_flag() {
-  static std::atomic<bool> enabled{false};
-  return enabled;
-}
-}  // namespace detail
-
-/// Opt in (or out) of bfloat16 arithmetic, for the whole program (off by default). When on and
-/// `bfloat16_arithmetic_available()`:
-/// - a decoding step over keys kept in `KVStorage::BFloat16` (4 query heads per key/value head,
-///   d_k a multiple of 32, float) computes its scores with `vdpbf16ps`, on the scaled queries
-///   rounded to bfloat16;
-/// - the tiled kernel over float queries and bfloat16 keys and values (`flash_attention` and
-///   `attention_heads` with `Eigen::bfloat16` K and V, a `KVStorage::BFloat16` cache's several
-///   queries), in translation units compiled for AVX-512 (`attn::native` on such a CPU), computes
-///   its score tiles with `vdpbf16ps` on the queries rounded to bfloat16 and, when d_v is a
-///   multiple of 16, its value tiles with `vdpbf16ps` on the probabilities rounded to bfloat16
-///   (the softmax's sums stay in float): 1.4-1.7x the float kernel at n = 2048 on the project's
-///   machine (bench/compare_flash_bf16.py).
-/// The results carry those roundings (tests/kv_storage_test.cpp bounds them); elsewhere, or when
-/// off, the float path runs.
-inline void set_bfloat16_arithmetic(bool enabled) { detail::bfloat16_arithmetic_flag() = enabled; }
-
-/// Whether the bfloat16 path runs: asked for (`set_bfloat16_arithmetic`) and available.
-inline bool bfloat16_arithmetic() {
-  return detail::bfloat16_arithmetic_flag().load() && bfloat16_arithmetic_available();
-}
-
 /// Whether this CPU runs AVX512_VNNI (`vpdpbusd`, `vpdpwssd`) with AVX512BW (on x86 with GCC or
-/// Clang, from `__builtin_cpu_supports`; false elsewhere). Asked once.
+/// Clang, from `__builtin_cpu_supports`; false elsewhere). Asked once. Where it does, a decoding
+/// step with `StoredArithmetic::Reduced` over a cache kept in `KVStorage::Int8` (4 query heads per
+/// key/value head, float) computes in integers, summed exactly in 32 bits: its scores by
+/// `vpdpbusd` (d_k a multiple of 32 up to 8192: the scaled queries rounded to 8 bits like the
+/// keys, one scale per query head, max |q| / 127) and its weighted sum of the values by
+/// `vpdpwssd` (d_v a multiple of 32: each tile's weights rounded to 16 bits, one scale per query
+/// head and tile of 64 keys, max p / 32767); the output carries those roundings
+/// (`docs/benchmarks.md#accuracy-of-the-stored-keyvalue-formats`).
+/// \returns whether the CPU has AVX512F, AVX512BW and AVX512_VNNI
 inline bool int8_arithmetic_available() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   static const bool yes = [] {
@@ -216,29 +223,6 @@ inline bool int8_arithmetic_available() {
 #else
   return false;
 #endif
-}
-
-namespace detail {
-inline std::atomic<bool>& int8_arithmetic_flag() {
-  static std::atomic<bool> enabled{false};
-  return enabled;
-}
-}  // namespace detail
-
-/// Opt in (or out) of integer arithmetic for int8 keys and values, for the whole program (off by
-/// default). When on and `int8_arithmetic_available()`, a decoding step over a cache kept in
-/// `KVStorage::Int8` (4 query heads per key/value head, float) computes in integers, summed
-/// exactly in 32 bits: its scores by `vpdpbusd` (d_k a multiple of 32 up to 8192: the scaled
-/// queries rounded to 8 bits first like the keys, one scale per query head, max |q| / 127) and its
-/// weighted sum of the values by `vpdpwssd` (d_v a multiple of 32: each tile's weights rounded to
-/// 16 bits, one scale per query head and tile of 64 keys, max p / 32767), so the output carries
-/// those roundings too (tests/kv_storage_test.cpp bounds them; the README's accuracy table);
-/// elsewhere, or when off, the float path runs.
-inline void set_int8_arithmetic(bool enabled) { detail::int8_arithmetic_flag() = enabled; }
-
-/// Whether the int8 path runs: asked for (`set_int8_arithmetic`) and available.
-inline bool int8_arithmetic() {
-  return detail::int8_arithmetic_flag().load() && int8_arithmetic_available();
 }
 
 }  // namespace attn

@@ -31,9 +31,10 @@ T nan_max(T a, T b) {
 /// NaN and nothing else but -inf. Eigen's fast maximum may skip a NaN; that is safe everywhere
 /// else, because the NaN still reaches the row's sum and output through `exp` (Eigen's vectorised
 /// exp and `std::exp` both return NaN for NaN), but not when the rest is -inf: the row would be
-/// taken for one that sees nothing. The NaN-propagating maximum costs 4% of the tiled kernel, so
-/// it is asked for only then. With `min`, also the row's minimum in the same pass for float rows
-/// vectorised (a NaN may be skipped; +inf for an empty row), -inf for other rows.
+/// taken for one that sees nothing. The NaN-propagating maximum slows the tiled kernel (see
+/// docs/benchmarks.md), so it is asked for only then. With `min`, also the row's minimum in the
+/// same pass for float rows vectorised (a NaN may be skipped; +inf for an empty row), -inf for
+/// other rows.
 template <class T>
 T tile_max(const Eigen::Ref<const RowVector<T>>& row, T* min = nullptr) {
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();

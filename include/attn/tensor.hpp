@@ -5,6 +5,7 @@
 #include <string>
 #include <unsupported/Eigen/CXX11/Tensor>
 
+#include "error.hpp"
 #include "types.hpp"
 
 namespace attn {
@@ -58,4 +59,36 @@ template <class T>
 using identity_t = typename identity<T>::type;
 
 }  // namespace detail
+
+/// The two layouts of several heads: `attention_heads` takes (heads, n, d) tensors, `KVCache` and
+/// the projections give (n, heads d) matrices with the heads side by side (head h in columns
+/// [h d, (h + 1) d)). `merge_heads` turns the first into the second.
+/// \param t  (heads, n, d)
+/// \returns n x (heads d)
+template <class T>
+Matrix<T> merge_heads(const Tensor3<T>& t) {
+  const Index heads = t.dimension(0);
+  const Index d = t.dimension(2);
+  Matrix<T> X(t.dimension(1), heads * d);
+  for (Index h = 0; h < heads; ++h) X.middleCols(h * d, d) = detail::slice(t, h);
+  return X;
+}
+
+/// The inverse of `merge_heads`: n x (heads d) with the heads side by side to (heads, n, d).
+/// \param X      n x (heads d), any Eigen expression
+/// \param heads  >= 1, dividing X's columns
+/// \returns (heads, n, d) with d = X's columns / heads
+/// \throws shape_error if heads < 1 or X's columns are not a multiple of heads.
+template <class D>
+Tensor3<typename D::Scalar> split_heads(const Eigen::MatrixBase<D>& X, Index heads) {
+  if (heads < 1 || X.cols() % heads != 0) {
+    detail::fail("split_heads", "X is ", detail::shape_of(X),
+                 ": its columns must be a multiple of ", "heads = ", heads, " (>= 1)");
+  }
+  const Index d = X.cols() / heads;
+  Tensor3<typename D::Scalar> t(heads, X.rows(), d);
+  for (Index h = 0; h < heads; ++h) detail::slice(t, h) = X.middleCols(h * d, d);
+  return t;
+}
+
 }  // namespace attn

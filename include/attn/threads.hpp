@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include "types.hpp"
 
@@ -24,16 +25,62 @@ inline int& thread_setting() {
 }
 }  // namespace detail
 
-/// Sets how many threads `attn` uses; 0 restores the default (OpenMP's, e.g. OMP_NUM_THREADS).
+/// Sets how many threads `attn` uses; 0 restores OpenMP's default (such as OMP_NUM_THREADS).
+/// \param threads  the count, or 0 for the default (a negative count counts as 0)
 inline void set_num_threads(int threads) { detail::thread_setting() = threads < 0 ? 0 : threads; }
 
 /// How many threads `attn`'s parallel loops use (1 without OpenMP).
+/// \returns the count, at least 1
 inline int num_threads() {
 #ifdef _OPENMP
   return detail::thread_setting() > 0 ? detail::thread_setting() : omp_get_max_threads();
 #else
   return 1;
 #endif
+}
+
+namespace detail {
+/// The calling thread's list of functions that free its kept buffers, one per kind of buffer,
+/// added when the thread first uses that kind (`thread_buffer`).
+inline std::vector<void (*)()>& thread_releasers() {
+  static thread_local std::vector<void (*)()> releasers;
+  return releasers;
+}
+
+/// The calling thread's buffer of kind `Tag` (one tag type per use site), default-constructed on
+/// first use and kept between calls, so that a repeated call of the same shapes allocates
+/// nothing; `release_thread_buffers` puts a fresh one in its place. Inside a parallel loop this
+/// is each worker's own buffer.
+template <class Tag, class Buffer>
+Buffer& thread_buffer() {
+  static thread_local Buffer buffer{};
+  static thread_local bool listed = false;
+  if (!listed) {
+    listed = true;
+    thread_releasers().push_back([] { thread_buffer<Tag, Buffer>() = Buffer{}; });
+  }
+  return buffer;
+}
+}  // namespace detail
+
+/// Frees the working memory attn keeps between calls for the calling thread and, with OpenMP,
+/// for the threads of a `num_threads()` team (packed keys, score tables, decoding parts, the
+/// layer's workspace): each grows to the largest call a thread has made and is otherwise kept
+/// until the thread ends. The next call allocates again. Call it between attn calls, for example
+/// after a long prompt, in a program that runs for long; other threads' buffers are not touched.
+inline void release_thread_buffers() {
+  const auto release_own = [] {
+    for (void (*release)() : detail::thread_releasers()) release();
+  };
+#ifdef _OPENMP
+  const int threads = num_threads();
+  if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+    release_own();
+    return;
+  }
+#endif
+  release_own();
 }
 
 namespace detail {
@@ -77,10 +124,7 @@ class KeptScratch {
   Scratch& get() { return borrowed_ ? kept() : *fresh_; }
 
  private:
-  static Scratch& kept() {
-    static thread_local Scratch scratch{};
-    return scratch;
-  }
+  static Scratch& kept() { return thread_buffer<KeptScratch, Scratch>(); }
   static bool& borrowed() {
     static thread_local bool taken = false;
     return taken;
@@ -111,10 +155,9 @@ inline Index team_threads(Index count) {
 /// thread, so a body whose result depends only on i gives the same bits whatever the thread count;
 /// Eigen's own GEMM runs serially inside (`SerialEigen`), which keeps its results independent of
 /// the thread count too. Where one thread is to run (one thread asked for, or one item), the loop
-/// runs on the calling thread without entering a team: a team even of one thread cost about 4 us
-/// per call on the project's 212 GFLOP/s machine (two wake-up system calls), about 40% of a
-/// decoding step over 64 tokens of 8 key/value heads (one thread). `body` must not throw (all
-/// argument checks run before the kernels).
+/// runs on the calling thread without entering a team: even a team of one thread costs two
+/// wake-up system calls per call, a large part of a short decoding step (see docs/benchmarks.md).
+/// `body` must not throw (all argument checks run before the kernels).
 template <class Scratch, class Body>
 void parallel_for(Index count, Body&& body) {
 #ifdef _OPENMP
@@ -133,12 +176,9 @@ void parallel_for(Index count, Body&& body) {
   serial_for<Scratch>(count, body);
 }
 
-/// The work below which a loop runs on the calling thread whatever `num_threads()`: 2 MFLOP. On
-/// the project's 212 GFLOP/s machine a team of two took 5-12 us to start and end, and cost more
-/// than it saved below about that much work: two threads took 1.2-2.3x the time of one for a
-/// decoding step over 16-64 tokens (32 query heads over 8, d = 128), `flash_attention` at n = 64
-/// and `attention_heads` of 8 heads at n = 4-16 (d = 64); from 4 MFLOP up 0.56-0.84x, but level
-/// (1.04x) for `flash_attention` at n = 128 (4.2 MFLOP).
+/// The work below which a loop runs on the calling thread whatever `num_threads()`: 2 MFLOP.
+/// Starting and ending a team costs more than it saves below about that much work (chosen by
+/// measurement; see docs/benchmarks.md).
 inline constexpr double team_flops = 2e6;
 
 /// The floating-point operations of attention of n queries over m keys: 2 n m (d_k + d_v).
@@ -160,9 +200,9 @@ inline double team_saving(Index count, double flops) {
 /// `parallel_for` for a loop of `count` items of about equal work, `flops` floating-point
 /// operations in all: in parallel where the team saves the calling thread at least half of
 /// `team_flops` (`team_saving`), on the calling thread otherwise. With two threads and an even
-/// count that is a loop of `team_flops` or more; an odd count needs more: 3 query blocks of
-/// `flash_attention` (n = 96, d = 64, 2.4 MFLOP) took 1.13-1.16x the one-thread time with two
-/// threads (the one-thread time since). The bits do not depend on which.
+/// count that is a loop of `team_flops` or more; an odd count needs more: two threads save only a
+/// third of 3 items, too little for a team to pay (see docs/benchmarks.md). The bits do not depend
+/// on which.
 template <class Scratch, class Body>
 void parallel_for(Index count, double flops, Body&& body) {
   if (team_saving(count, flops) < team_flops / 2) {

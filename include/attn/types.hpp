@@ -44,6 +44,14 @@ enum class KVStorage { Same, Float16, BFloat16, Int8 };
 /// How rotary position embedding pairs the features: (2i, 2i+1) or (i, i + d/2).
 enum class RopeStyle { Interleaved, Half };
 
+/// How a kernel multiplies float queries with keys and values stored in fewer bits (bfloat16 or
+/// int8; docs/kv-cache.md): `Widened` widens the stored numbers to float first, so every product
+/// is a float product; `Reduced` rounds the other operand to the stored format too and multiplies
+/// with the CPU's instructions for it (AVX512_BF16 `vdpbf16ps`; AVX512_VNNI for a decoding step
+/// over int8), where the CPU has them and the shapes suit them, else it widens. A per-call choice:
+/// one caller's choice never changes another's results.
+enum class StoredArithmetic { Widened, Reduced };
+
 /// Options of one attention call. The score pipeline runs in this order:
 /// `scale * Q K^T` -> softcap `c * tanh(s / c)` -> `+ bias` and ALiBi -> mask (causal, window,
 /// `mask`) -> softmax (with the optional sink in the denominator).
@@ -74,9 +82,12 @@ struct AttentionOptions {
   /// Unset: `m - n` for `Causal::BottomRight`, 0 otherwise. ONNX Attention with a cache of `p`
   /// past keys is `query_offset = p`.
   std::optional<Index> query_offset;
-  /// `r >= 0`: also forbid keys `j > i + offset + r` (a window to the right; with `causal` set the
+  /// `r >= 0`: also forbid keys `j > i + shift + r` (a window to the right; with `causal` set the
   /// causal bound is the tighter one).
   std::optional<Index> window_right;
+  /// Products with bfloat16 or int8 keys and values (float queries only): widened (default) or in
+  /// the stored format's own arithmetic (see `StoredArithmetic`). No effect on other types.
+  StoredArithmetic stored_arithmetic = StoredArithmetic::Widened;
 };
 
 /// Queries, keys and values of one sequence.

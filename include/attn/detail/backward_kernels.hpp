@@ -30,8 +30,8 @@
 namespace attn {
 
 /// Tile sizes of the tiled backward (query rows x key columns per tile). The key tiles are rounded
-/// up to whole register panels of the score kernel, as `FlashTiles`' are. 128 x 128 measured best
-/// of 64-128 on an AVX-512 machine (bench/backward_bench.cpp, d = 64).
+/// up to whole register panels of the score kernel, as `FlashTiles`' are. The defaults, 128 x 128,
+/// were chosen by measurement (bench/backward_bench.cpp; see docs/benchmarks.md).
 struct BackwardTiles {
   Index query_rows = 128;
   Index key_cols = 128;
@@ -57,8 +57,9 @@ void forward_for_backward(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const Sco
   if (path == Path::Tiled) {
     flash_kernel<T>(Q, K, V, rule, FlashTiles{}, O, lse.data());
   } else {
-    static thread_local Matrix<T> weights;  // this thread's n x m table, reused between calls
-    materialised_kernel<T>(Q, K, V, rule, weights, O, lse.data());
+    struct ForwardWeights {};  // this thread's n x m table, reused between calls
+    materialised_kernel<T>(Q, K, V, rule, thread_buffer<ForwardWeights, Matrix<T>>(), O,
+                           lse.data());
   }
 }
 
@@ -357,7 +358,7 @@ void tiled_backward(const BackwardInputs<T>& in, T* packed_K, T* packed_V,
     }
   });
   // The sum of the partial dQ: n d_k additions per part, on the calling thread below `team_flops`
-  // (a team of two for the sum alone made the backward of one part, n = 96-128, 1.1-1.3x slower).
+  // (a team for the sum alone cost the backward more than it saved; see docs/benchmarks.md).
   constexpr Index block = 64;
   const double sum_flops = double(n) * double(d_k) * double(kp.parts);
   parallel_for<int>((n + block - 1) / block, sum_flops, [&](Index b, int&) {
@@ -395,8 +396,7 @@ void backward_kernel(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, ConstRef<T> O,
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
   const Index n = Q.rows();
   const Index m = K.rows();
-  static thread_local BackwardBuffers<T> buffers;
-  BackwardBuffers<T>& store = buffers;
+  BackwardBuffers<T>& store = thread_buffer<BackwardBuffers<T>, BackwardBuffers<T>>();
   grads.dQ.resize(n, Q.cols());
   grads.dK.resize(m, K.cols());
   grads.dV.resize(m, V.cols());

@@ -3,8 +3,8 @@
 /// The score tiles of the tiled kernel in bfloat16 arithmetic: S = scale * Q K^T for float queries
 /// rounded to bfloat16 and keys stored in bfloat16, by AVX512_BF16's `vdpbf16ps`, which multiplies
 /// 32 pairs of bfloat16 and adds them into 16 float sums per instruction: twice the products of a
-/// float multiply-add of the same width. Taken only when `bfloat16_arithmetic()` (opt-in, and the
-/// CPU has the instruction); the float score tiles stay the portable path.
+/// float multiply-add of the same width. Taken only with `StoredArithmetic::Reduced` (opt-in per
+/// call) on a CPU that has the instruction; the float score tiles stay the portable path.
 ///
 /// Layout. `vdpbf16ps` sums two neighbouring 16-bit elements of each 32-bit lane, so both operands
 /// come in pairs of features: a query row as ceil(d / 2) 32-bit words (features 2c and 2c + 1 in
@@ -80,9 +80,8 @@ ATTN_INTRINSICS_END
 /// Q (n x d) rounded to bfloat16, row i as ceil(d / 2) pairs at `pairs + i * ceil(d / 2)`: for
 /// the bfloat16 score tiles, so only where the CPU has AVX512_BF16. Whole blocks of 16 features
 /// by `round_to_bfloat16` (a subnormal feature becomes 0 there, which `vdpbf16ps` would take as
-/// 0 anyway), the rest one by one: element by element the rounding took 25.8 us of a 209 us
-/// `flash_attention` with bfloat16 keys and arithmetic at n = 512, d = 64 (the 212 GFLOP/s
-/// machine); a block at a time, 1.1 us.
+/// 0 anyway), the rest one by one: rounded element by element, the queries were a visible part of
+/// a `flash_attention` call (see docs/benchmarks.md).
 inline void pack_bfloat16_queries(ConstRef<float> Q, std::uint32_t* pairs) {
   const Index d = Q.cols();
   const Index words = (d + 1) / 2;
@@ -112,7 +111,7 @@ inline void pack_bfloat16_keys(const StoredBlock<BFloat16Codec, float>& K, std::
 #if defined(EIGEN_VECTORIZE_AVX512)
     // Whole panels of rows whose pairs are whole 32-bit words (d and the row stride even): blocks
     // of 16 keys x 16 pairs moved as words, transposed in registers (`ptranspose` of floats moves
-    // bits, no arithmetic); 8.1 -> 1.5 us for 512 keys of 64 features.
+    // bits, no arithmetic), faster than the pair-by-pair loop below (see docs/benchmarks.md).
     const bool words = d % 2 == 0 && K.outerStride() % 2 == 0 &&
                        reinterpret_cast<std::uintptr_t>(K.data()) % 4 == 0;
     if (width == w && words) {

@@ -43,12 +43,12 @@ template <class T>
 constexpr Index decode_lanes = Eigen::internal::unpacket_traits<DecodePacket<T>>::size;
 
 /// Asks for the cache line at `p` as non-temporal (`prefetchnta`: each key and value row is read
-/// once per step, so it need not displace what the caches hold; measured on the 212 GFLOP/s
-/// machine against `prefetcht1` at 16k tokens: 0.82x the time with bfloat16 keys, 0.88x with
-/// float). On x86 with GCC or Clang it is an `asm volatile`, not `__builtin_prefetch`: GCC 12
-/// deletes a loop of `__builtin_prefetch` whose bounds it reads through a reference (it counts
-/// the builtin as free of side effects), which left a first form of `PrefetchRows` below
-/// without a single prefetch in the compiled step; an `asm volatile` is never deleted.
+/// once per step, so it need not displace what the caches hold; chosen over `prefetcht1` by
+/// measurement, see docs/benchmarks.md). On x86 with GCC or Clang it is an `asm volatile`, not
+/// `__builtin_prefetch`: GCC 12 deletes a loop of `__builtin_prefetch` whose bounds it reads
+/// through a reference (it counts the builtin as free of side effects), which left a first form
+/// of `PrefetchRows` below without a single prefetch in the compiled step; an `asm volatile` is
+/// never deleted.
 EIGEN_STRONG_INLINE void prefetch_line(const char* p) {
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
   asm volatile("prefetchnta %0" : : "m"(*p));
@@ -66,13 +66,10 @@ EIGEN_STRONG_INLINE void prefetch_line(const char* p) {
 ///
 /// Why the other stream: the keys and the values are two streams read in turns of a tile (32 KiB
 /// of each at d = 128 in float). Each phase asking for its own rows a tile ahead leaves the other
-/// stream without requests for half the step; a plain read in turns of 64 rows measured 0.75x the
-/// bandwidth of the same read with the two streams interleaved row by row (the 212 GFLOP/s
-/// machine, one thread, 128 MiB). Asking for the other stream's rows keeps both streams going and
-/// brings each row in about half a tile before its use rather than a whole one. Against each
-/// phase asking for its own rows a tile ahead (the two builds as whole processes in turn, 6
-/// rounds, 32 over 8 heads, d = 128, the 212 GFLOP/s machine): 0.78-0.87x the time at 16k tokens
-/// by storage format on one thread, 0.69-0.83x on two, 0.83-0.93x at 4k, 0.73-0.93x at 1k.
+/// stream without requests for half the step, and a read in turns draws less bandwidth than the
+/// two streams interleaved row by row. Asking for the other stream's rows keeps both streams going
+/// and brings each row in about half a tile before its use rather than a whole one (chosen by
+/// measurement; see docs/benchmarks.md).
 struct PrefetchRows {
   const char* first = nullptr;
   Index stride = 0;  ///< bytes from one row to the next
@@ -107,8 +104,7 @@ PrefetchRows prefetch_rows_of(const E* first, Index stride, Index width, Index r
 
 /// Keeps a packet that several multiply-adds share in a register. Without it GCC 12 folds the
 /// packet's load into each multiply-add as a memory operand, loading it again for each, which
-/// made the decoding loops bound by loads rather than by multiply-adds (measured on the project's
-/// machine: 4 keys x 4 heads of scores at d = 128, 20 -> 10 ns per key in the first-level cache).
+/// made the decoding loops bound by loads rather than by multiply-adds (see docs/benchmarks.md).
 /// An empty asm statement that claims to change the register; nothing where it is not x86 SIMD.
 template <class Packet>
 EIGEN_STRONG_INLINE void keep_in_register(Packet& p) {
@@ -209,10 +205,9 @@ __attribute__((target("avx512f"))) inline void store_scores_4x4(__m512 sums, flo
 /// given in bfloat16 too (`q` rows of d_k, rounded to nearest even), so each score carries the
 /// rounding of its query. 4 keys x 4 heads per block, summed by `sum_lanes16`. Compiled for its
 /// own target whatever the build's flags (intrinsics only, no Eigen: the same code in every
-/// translation unit), and called only when `bfloat16_arithmetic()`. The rows of `ahead` are asked
-/// for 4 per 4 keys, along the blocks: asked for all at once before the tile, they took 1.3-1.4x
-/// the time of this at 16k tokens (one thread, the 212 GFLOP/s machine). Shape contract: d_k a
-/// multiple of 32. Returns the number of keys done.
+/// translation unit), and called only with `StoredArithmetic::Reduced` on a CPU that has it. The
+/// rows of `ahead` are asked for 4 per 4 keys, along the blocks, not all at once before the tile,
+/// which was slower (see docs/benchmarks.md). Shape contract: d_k a multiple of 32. Returns the number of keys done.
 __attribute__((target("avx512f,avx512bf16"))) inline Index decode_scores_bf16_4x4(
     const Eigen::bfloat16* q, Index q_stride, const Eigen::bfloat16* K_tile, Index k_stride,
     Index cols, Index d_k, float* s, Index s_stride, const PrefetchRows& ahead) {
@@ -276,15 +271,13 @@ add_products_i16(__m512i acc, __m512i a, const std::int32_t* pair) {
 /// takes the 128 q back off. The 16 lane sums of each (head, key) pair are added by `sum_lanes16`
 /// in 32-bit integers, exact: a score's d_k products are each at most 255 x 127 in magnitude,
 /// below 2^31 in all up to d_k = 66311. The result is turned to float once and multiplied by the
-/// head's and the key's scales. Against the queries in 16 bits by `vpdpwssd` before it (32
-/// products per instruction, each key row widened to 16 bits first; the 212 GFLOP/s machine, one
-/// thread, 32 over 8 heads, d = 128): 0.63x the kernel's time over 64 keys in the first-level
-/// cache, 0.91x the step's at 1k, 4k and 16k tokens (the builds as whole processes in turn, 4
-/// rounds, the minimum of each's). The price is the queries' rounding to 8 bits, about as large
-/// as the keys' own (the README's accuracy table: 1.7e-2 against 1.5e-2 for the float arithmetic
-/// over the same cache). Compiled for its own target whatever the build's flags (intrinsics only),
-/// called only when `int8_arithmetic()`. Shape contract: d_k a multiple of 32 (a last 32 bytes
-/// are read masked), at most 8192. Returns the number of keys done.
+/// head's and the key's scales. It replaced the queries in 16 bits by `vpdpwssd` (32 products
+/// per instruction, each key row widened to 16 bits first), which was slower (see
+/// docs/benchmarks.md). The price is the queries' rounding to 8 bits, about as large as the keys'
+/// own (docs/benchmarks.md#accuracy-of-the-stored-keyvalue-formats). Compiled for its own target
+/// whatever the build's flags (intrinsics only), called only with `StoredArithmetic::Reduced` on a
+/// CPU that has it. Shape contract: d_k a multiple of 32 (a last 32 bytes are read masked), at
+/// most 8192. Returns the number of keys done.
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline Index decode_scores_i8_4x4(
     const std::int8_t* q, Index q_stride, const float* q_scale, const std::int32_t* q_bias,
     const std::int8_t* K_tile, const float* k_scales, Index k_stride, Index cols, Index d_k,
@@ -348,9 +341,8 @@ constexpr Index decode_i16_pairs = decode_i16_max_cols / 2 + 1;
 /// probabilities by `vpdpwssd`. A group's two accumulators hold its columns in the order the
 /// unpacking leaves them (lo: 0-3, 8-11, 16-19, 24-27; hi: 4-7, 12-15, 20-23, 28-31); a two-source
 /// permutation restores it at the end, where o_h = alpha_h o_h + scale_h sum. (Interleaving the
-/// rows byte by byte before widening them took 1.14-1.19x the time of this, as many shuffles but
-/// on 256-bit halves: a tile of 64 rows, d_v = 128, in the first-level cache, the 212 GFLOP/s
-/// machine.)
+/// rows byte by byte before widening them, as many shuffles but on 256-bit halves, was slower;
+/// see docs/benchmarks.md.)
 template <int Groups>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void decode_values_i16_pass(
     const std::int32_t (&p32)[4 * decode_i16_pairs], const float* scale, const float* alpha,
@@ -414,7 +406,8 @@ inline __mmask16 first_lanes(Index count) {
 /// cols x max |V| / 65534 over the softmax's sum (tests/kv_storage_test.cpp holds the bound).
 /// Returns false, having written nothing, when a weight is not finite (a NaN or an infinite
 /// scale among the rows; the float path then carries it, keeping the NaN rule). Shape contract:
-/// cols <= `decode_i16_max_cols`, d_v a multiple of 32. Called only when `int8_arithmetic()`.
+/// cols <= `decode_i16_max_cols`, d_v a multiple of 32. Called only with
+/// `StoredArithmetic::Reduced`.
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool decode_values_i16_4(
     const float* p, Index p_stride, const float* alpha, const std::int8_t* V_tile, Index v_stride,
     Index cols, Index d_v, float* o, Index o_stride, const PrefetchRows& ahead) {
@@ -606,9 +599,8 @@ void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index col
   }
 #endif
 #if defined(EIGEN_VECTORIZE_AVX512)
-  // Stored (16- and 8-bit) keys only: measured on the project's machine (one thread, 1k tokens,
-  // 32 over 8 heads, d = 128), the 4 x 4 blocks took 7-9% less time than the key-by-key loop
-  // with stored keys, and about 20% more with float keys.
+  // Stored (16- and 8-bit) keys only: the 4 x 4 blocks beat the key-by-key loop with stored keys
+  // but not with float keys (chosen by measurement; see docs/benchmarks.md).
   if constexpr (G == 4 && std::is_same_v<T, float> && lanes == 16 &&
                 !std::is_same_v<KCodec, SameCodec<T>>) {
     if (done == 0)
@@ -679,7 +671,8 @@ void decode_blocks(ConstRef<T> q, const KBlock& K, const VBlock& V, const ScoreR
   scratch.q_scaled.noalias() = rule.scale * q;
   scratch.bf16_scores = false;
   if constexpr (std::is_same_v<T, float> && std::is_same_v<codec_of_t<KBlock, T>, BFloat16Codec>) {
-    scratch.bf16_scores = K.cols() % 32 == 0 && g >= 4 && bfloat16_arithmetic();
+    scratch.bf16_scores =
+        K.cols() % 32 == 0 && g >= 4 && rule.reduced_arithmetic && bfloat16_arithmetic_available();
     if (scratch.bf16_scores) {
       // Every key sees the rounded queries, also the few the float path does (a tile's last
       // cols % 4).
@@ -689,10 +682,11 @@ void decode_blocks(ConstRef<T> q, const KBlock& K, const VBlock& V, const ScoreR
   }
   scratch.i8_scores = false;
   if constexpr (std::is_same_v<T, float> && std::is_same_v<codec_of_t<KBlock, T>, Int8Codec>) {
-    if (K.cols() % 32 == 0 && K.cols() <= 8192 && g >= 4 && int8_arithmetic()) {
+    if (K.cols() % 32 == 0 && K.cols() <= 8192 && g >= 4 && rule.reduced_arithmetic &&
+        int8_arithmetic_available()) {
       // Each query head's largest magnitude, NaN if the head has one (`largest_magnitude`,
-      // vectorised: a check of every entry by `allFinite` was about 1.2 us of an 11 us step over
-      // 64 tokens, one thread). Queries that are not all finite take the float path, which keeps
+      // vectorised: a check of every entry by `allFinite` was a visible part of a short step; see
+      // docs/benchmarks.md). Queries that are not all finite take the float path, which keeps
       // the NaN rule.
       Vector<T>& scales = scratch.q_i8_scale;
       scales.resize(g);
@@ -722,7 +716,8 @@ void decode_blocks(ConstRef<T> q, const KBlock& K, const VBlock& V, const ScoreR
   }
   scratch.i16_values = false;
   if constexpr (std::is_same_v<T, float> && std::is_same_v<codec_of_t<VBlock, T>, Int8Codec>) {
-    scratch.i16_values = V.cols() % 32 == 0 && g >= 4 && int8_arithmetic();
+    scratch.i16_values =
+        V.cols() % 32 == 0 && g >= 4 && rule.reduced_arithmetic && int8_arithmetic_available();
   }
   scratch.state.start(g, V.cols(), rule.sink);
   scratch.alpha.resize(g);

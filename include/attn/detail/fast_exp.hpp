@@ -7,7 +7,7 @@
 /// exp(r) by Cephes' degree-7 minimax polynomial for expf (the coefficients are S. Moshier's), 2^k
 /// by writing k + 127 into the exponent field (by `vscalefps` with AVX-512: the same bits).
 ///
-/// Error (tests/softmax_test.cpp, `FastExp`, measured against `std::exp` on every 61st float of
+/// Error (tests/softmax_test.cpp, `FastExp`, checked against `std::exp` on every 61st float of
 /// [-103.98, 0]): at most 1 unit in the last place for x in [-87.33, 0], where exp(x) is a normal
 /// float. Below that, the result is exactly `std::exp`'s: 0 for x < -103.98 and for -inf (the exact
 /// underflow that gives a masked key a weight of exactly 0), and a packet that holds any x whose
@@ -111,9 +111,9 @@ EIGEN_STRONG_INLINE bool exp_has_subnormal(const Packet& x) {
 }
 
 /// The largest of s[0, size) for float rows, in packets (a NaN may be skipped, as by Eigen's
-/// maxCoeff: `tile_max` decides what a NaN means); -inf for an empty row. Eigen's maxCoeff costs
-/// about four times as much on the tiled kernel's rows of 128 scores. With `min`, also the
-/// smallest (+inf for an empty row; a NaN may be skipped) in the same pass.
+/// maxCoeff: `tile_max` decides what a NaN means); -inf for an empty row. Written out because
+/// Eigen's maxCoeff is slower on the tiled kernel's short rows (see docs/benchmarks.md). With
+/// `min`, also the smallest (+inf for an empty row; a NaN may be skipped) in the same pass.
 template <class T>
 T packet_max(const T* s, Index size, T* min = nullptr) {
   using Packet = typename FastExp<T>::Packet;
@@ -179,9 +179,8 @@ EIGEN_DONT_INLINE T exp_deferred_packets(T* s, Index start, Index end, Packet su
 
 /// `s[j] -> exp(s[j] - max)` for j in [0, size), in place, for a finite max (float rows vectorised).
 /// `normal`: the caller knows that every s[j] - max is in [ln(FLT_MIN), 0] (or NaN), so that no
-/// packet needs the checks below the normal range (the same bits). With it and `vscalefps`, the
-/// exp pass went from 14% to 10% of the tiled kernel's time (perf, n = 2048, d = 64, one thread,
-/// the project's machine).
+/// packet needs the checks below the normal range (the same bits), which shortens the exp pass
+/// (see docs/benchmarks.md).
 /// \returns the sum of the new entries (in packet-lane order, then the tail).
 template <class T>
 T exp_shifted_sum(T* s, Index size, T max, bool normal = false) {
@@ -206,10 +205,7 @@ T exp_shifted_sum(T* s, Index size, T max, bool normal = false) {
     // A packet that holds an x whose exp is subnormal keeps x for `exp_deferred_packets`: no
     // call to std::exp in this loop, whose call made GCC 12 keep the sums and the polynomial's
     // constants in memory in both loops (a load of each constant per packet, and each sum carried
-    // from one packet to the next through a store and a load). Without it (the 212 GFLOP/s
-    // machine, one thread on one CPU, the builds as whole processes in turn, 5 rounds, medians):
-    // `BM_Flash` 0.98-0.99x the time, full and causal; the same bits (20,000 random rows, 8,233
-    // of them with subnormal results, against the build before).
+    // from one packet to the next through a store and a load); see docs/benchmarks.md.
     bool deferred = false;
     const auto one = [&](Index at, Packet& sum) {
       const Packet x = psub(ploadu<Packet>(s + at), shift);

@@ -5,15 +5,11 @@
 /// `madvise(MADV_HUGEPAGE)`, before their first touch); a hint, nothing else changes, and nothing
 /// at all where the system has no such advice.
 ///
-/// Why: on the project's machines (virtual machines, 10-23 us per fresh 4 KiB page) a program that
-/// returns a large block to the system (`free` of 32 MiB, as a result of
-/// `MultiHeadAttention::forward` at (8, 2048, 512) is when its owner drops it) made the next touch
-/// of every other 4 KiB page fault again: 85-154 ms to touch 128 MiB that had been touched before,
-/// in 2-3 of 6 rounds, against 0.5-1.1 ms (`bench/page_return.cpp`; 2026-12-03, the 212 GFLOP/s
-/// machine).
-/// Memory in 2 MiB pages never did, in the same program. The layer's workspace is 4 such blocks,
-/// and the convenience overload took 1.5-2.3x the hot path's time there (1.12-1.13x with the
-/// advice; README, "The returning overload and 2 MiB pages").
+/// Why: where page faults are costly (virtual machines), a program that returns a large block to
+/// the system (`free` of 32 MiB, as a result of `MultiHeadAttention::forward` at (8, 2048, 512) is
+/// when its owner drops it) could make the next touch of every other 4 KiB page fault again, even
+/// of memory touched before (`bench/page_return.cpp`); memory in 2 MiB pages did not. The layer's
+/// workspace is 4 such blocks (see docs/benchmarks.md).
 
 #include <cstddef>
 #include <cstdint>

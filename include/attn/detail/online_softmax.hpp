@@ -56,12 +56,10 @@ T online_softmax_step(Eigen::Ref<RowVector<T>> s, T& m, T& l) {
 /// its m, l and alpha at m[r], l[r], alpha[r]): the same values, bit for bit. Float rows of whole
 /// pairs of packets go four at a time, their maxima and exponentials interleaved: one row's step
 /// is a chain of dependent instructions (maximum, reduction, exp's polynomial, sum) that leaves
-/// the processor idle, and four independent chains fill it. Measured on the 212 GFLOP/s machine
-/// (one thread, 4 rows of 64 logits in the first-level cache): 1.7x the speed of four
-/// `online_softmax_step`s; the decoding step over 1k tokens (32 over 8 heads, d = 128) took
-/// 0.93-0.98x the time. The tiled kernel's blocks measured no gain (rows crossing a causal
-/// diagonal need the checks), so it keeps one step per row. Rows that need the checks below the
-/// normal range, or see nothing, take `online_softmax_step`'s own path.
+/// the processor idle, and four independent chains fill it (see docs/benchmarks.md). The tiled
+/// kernel keeps one step per row: its blocks gained nothing from this (rows crossing a causal
+/// diagonal need the checks). Rows that need the checks below the normal range, or see nothing,
+/// take `online_softmax_step`'s own path.
 template <class T>
 void online_softmax_rows(T* s, Index stride, Index rows, Index cols, T* m, T* l, T* alpha) {
   Index r0 = 0;

@@ -60,11 +60,8 @@ enum class Path { Materialised, Tiled, Decode };
 /// - the n x m table would not fit in a core's L2 cache (256 x 256 floats = 256 KiB), or the keys
 ///   and values would not (more than 1 MiB: they are then streamed tile by tile, read once): tiled;
 /// - more than 32 x 32 scores with at least 16 queries and 16 keys: tiled, whose register tiles
-///   beat the materialised path's table from there (measured on the project's 212 GFLOP/s
-///   machine, one thread, d = 64 and 128, full and causal, float and double: the tiled path
-///   0.70-0.90x the materialised path's time at n = m = 32, 0.44-0.78x at 96-256; 0.88-1.64x at
-///   n = m = 8-24, and 1.06-1.40x for full attention with 2-8 queries or 4-8 keys, which stay
-///   materialised);
+///   beat the materialised path's table from there (a crossover chosen by measurement; see
+///   docs/benchmarks.md);
 /// - otherwise materialised.
 template <class T>
 Path choose_path(const ScoreRule<T>& rule, Index d_k, Index d_v, bool need_weights) {
@@ -173,8 +170,7 @@ void decode_groups(Index groups, const ScoreRule<T>& rule, const QGroup& q, cons
   }
   // The calling thread's buffers: named through a reference, since inside the parallel loop the
   // name of a thread_local would mean each worker's own.
-  static thread_local DecodeParts<T> buffers;
-  DecodeParts<T>& store = buffers;
+  DecodeParts<T>& store = thread_buffer<DecodeParts<T>, DecodeParts<T>>();
   const auto tasks = static_cast<std::size_t>(groups * parts);
   if (store.o.size() < tasks) {
     store.o.resize(tasks);

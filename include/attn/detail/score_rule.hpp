@@ -63,12 +63,13 @@ struct ScoreRule {
   bool causal = false;                ///< keys after the query's position are forbidden
   std::optional<Index> window_left;   ///< keys before position p - w are forbidden
   std::optional<Index> window_right;  ///< keys after position p + r are forbidden
-  bool left_unbounded = false;  ///< the window does not apply to this block (pinned cache rows)
-  TableView<bool> mask;         ///< n x m, true = may attend
-  TableView<bool> key_valid;    ///< 1 x m (stride 0), false = padding, for every query
-  TableView<T> bias;            ///< n x m, added after the softcap; -inf entries mask
-  Index column0 = 0;            ///< first column of this block in the call's n x m tables
-  Index table_cols = 0;         ///< columns of the call's tables (m of the whole call)
+  bool left_unbounded = false;      ///< the window does not apply to this block (pinned cache rows)
+  TableView<bool> mask;             ///< n x m, true = may attend
+  TableView<bool> key_valid;        ///< 1 x m (stride 0), false = padding, for every query
+  TableView<T> bias;                ///< n x m, added after the softcap; -inf entries mask
+  Index column0 = 0;                ///< first column of this block in the call's n x m tables
+  Index table_cols = 0;             ///< columns of the call's tables (m of the whole call)
+  bool reduced_arithmetic = false;  ///< StoredArithmetic::Reduced: bfloat16 / int8 instructions
 
   /// Whether anything but the key range restricts or changes the scores of a row (a mask, key
   /// padding, a bias or ALiBi): then the scores must go through `apply`, not only the range.
@@ -220,6 +221,7 @@ ScoreRule<T> make_rule(const AttentionOptions<T>& options, Index n, Index m, Ind
   rule.window_left = options.window;
   rule.window_right = options.window_right;
   rule.table_cols = m;
+  rule.reduced_arithmetic = options.stored_arithmetic == StoredArithmetic::Reduced;
   if (options.mask) rule.mask = {options.mask->data(), options.mask->cols()};
   if (options.bias) rule.bias = {options.bias->data(), options.bias->cols()};
   return rule;

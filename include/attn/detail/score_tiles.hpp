@@ -3,11 +3,11 @@
 /// The register-tiled kernel behind `attn::scores`: S = scale * Q K^T for row-major Q, K, S.
 ///
 /// Why not Eigen's GEMM: for attention's shapes (d_k = 64 or 128, n and m in the thousands) Eigen
-/// zero-fills S, re-packs K for every block of queries and writes S through the cache; it ran at
-/// 0.83x NumPy + OpenBLAS here (bench/compare_peers.py). This kernel packs K once, keeps a
-/// `rows x cols` tile of S in registers over the whole d_k sum, multiplies by the scale in the
-/// register, writes each tile once, and bypasses the cache with streaming stores when S is too
-/// large to stay in it.
+/// zero-fills S, re-packs K for every block of queries and writes S through the cache, and trails
+/// NumPy + OpenBLAS there (bench/compare_peers.py; see docs/benchmarks.md). This kernel packs K
+/// once, keeps a `rows x cols` tile of S in registers over the whole d_k sum, multiplies by the
+/// scale in the register, writes each tile once, and bypasses the cache with streaming stores when
+/// S is too large to stay in it.
 
 #include <algorithm>
 #include <cstdint>
@@ -101,9 +101,8 @@ void pack_panel(Index m, Index d, const Key& key, Index p, T* packed) {
 /// Panel p of the keys K (m x d, row-major), as `pack_panel` of K(j, c), with the whole blocks of
 /// `lanes` keys x `lanes` features moved a packet at a time: `lanes` rows of K loaded, transposed
 /// in registers (Eigen's `ptranspose`) and stored as `lanes` rows of the panel. The scalar loop
-/// reads K down its columns, one scalar per row: on the project's 212 GFLOP/s machine it took
-/// 8.3-18.2 us for 512 keys of 64 floats (K in the caches), 2.3% or more of `flash_attention`'s
-/// time at n = 512 on one thread; this, 1.35 us.
+/// reads K down its columns, one scalar per row, which made the packing a visible part of
+/// `flash_attention`'s time (see docs/benchmarks.md).
 // Eigen's `PacketBlock` of a SIMD type such as __m512 makes GCC warn that the type's attributes
 // are ignored as a template argument (-Wignored-attributes); they are, harmlessly, as inside
 // Eigen, whose own headers are system headers and so not warned about.
@@ -186,9 +185,7 @@ EIGEN_ALWAYS_INLINE void for_each_index(std::index_sequence<i...>, const F& f) {
 /// s_stride; 0 < width <= cols. Each score is one accumulator summed over c in order, so its bits
 /// do not depend on tiling, threads or where the panel lies.
 /// Always inlined: GCC 12 left the 12-row tile a function of its own in some callers, and a call
-/// per tile cost the kernel 3-8% where d = 64 (one thread, the 212 GFLOP/s machine: `scores`
-/// 0.92x the time at n = 512 and 2048 once inlined, `flash_attention` 0.95-0.96x at n = 512-2048,
-/// the layer's projections 0.985x).
+/// per tile slowed the kernel where d = 64 (see docs/benchmarks.md).
 template <class T, std::size_t... r>
 EIGEN_ALWAYS_INLINE void score_tile(std::index_sequence<r...>, const T* q, Index q_stride,
                                     const T* panel, Index panel_stride, Index d, T scale, T* s,
@@ -207,10 +204,7 @@ EIGEN_ALWAYS_INLINE void score_tile(std::index_sequence<r...>, const T* q, Index
   // 1. Accumulate over the d_k features: `packets` key packets, one broadcast query value per row.
   //    The accumulators start at 0 in straight-line code (`for_each_index`): GCC 12 made the loop
   //    that zeroed them a call of memset on the whole array at the start of every tile (1.5 KiB
-  //    for 12 rows of float). Without the call (the 212 GFLOP/s machine, one thread on one CPU,
-  //    the two builds as whole processes in turn, 5 rounds, medians): `BM_Scores` 0.93x the time
-  //    at d = 64 and 0.97x at d = 128, `BM_Flash` 0.97-0.98x full and causal, the layer
-  //    (`BM_MultiHeadForward`) 0.98-0.995x.
+  //    for 12 rows of float), which slowed every tile (see docs/benchmarks.md).
   Packet acc[rows][packets];
   const auto zero = [](Packet(&acc_r)[packets]) {
     for_each_index(std::make_index_sequence<packets>(),
@@ -251,10 +245,10 @@ EIGEN_ALWAYS_INLINE void score_tile(std::index_sequence<r...>, const T* q, Index
 /// Runs `tile(std::make_index_sequence<h>(), i)` down the rows [0, rows): tiles of h = Rows rows
 /// while they fit, then one each of 2 Rows / 3, Rows / 3, Rows / 6 and 1 row where they fit
 /// (every register kernel's cascade for the rest: 12, 8, 4, 2, 1 or 6, 4, 2, 1). A tile of one
-/// row waits on its few accumulators' latency (about 4x a row's time in a full tile), so the rest
-/// takes as few of them as it can: 8 rows are one tile of 8, where halves (6, 3, 1) made them
-/// 6 + 1 + 1. Measured on the 212 GFLOP/s machine (one thread): the multi-head layer at
-/// (1, 128, 512), whose projections end every block of 96 rows with 8, 0.94x the time.
+/// row waits on its few accumulators' latency (far longer per row than a row of a full tile), so
+/// the rest takes as few of them as it can: 8 rows are one tile of 8, where halves (6, 3, 1) made
+/// them 6 + 1 + 1 (the layer's projections end every block of 96 rows with 8; see
+/// docs/benchmarks.md).
 template <std::size_t Rows, class Tile>
 EIGEN_STRONG_INLINE void row_tiles(Index rows, const Tile& tile) {
   static_assert(Rows % 6 == 0, "row_tiles: tiles of 6 or 12 rows");
@@ -331,7 +325,8 @@ void score_tiles(ConstRef<T> Q, const Keys& keys, T scale, Eigen::Ref<Matrix<T>>
 template <class T>
 T* packed_panels(Index m, Index d) {
   constexpr Index cols = ScoreTile<T>::cols;
-  thread_local Vector<T> packed;
+  struct PackedPanels {};
+  Vector<T>& packed = thread_buffer<PackedPanels, Vector<T>>();
   const Index size = (m + cols - 1) / cols * cols * d;
   if (packed.size() < size) packed.resize(size);
   return packed.data();
@@ -346,14 +341,11 @@ const T* pack_keys(ConstRef<T> K) {
   return packed;
 }
 
-/// The panels of `pack_panel` of the columns of W (d x m) as keys, for a product X W: each row of a panel is a
-/// contiguous piece of a row of W. W is read row by row, in memory order (a layer's weights are
-/// seldom in the cache: panel by panel, the rows 2 KiB apart defeated the prefetcher), and whole
-/// pieces are copied by a loop of fixed length (no call per piece). Measured on the project's
-/// machine (perf, `BM_MultiHeadForward` at (1, 128, 512), one thread): the layer spent 15% of its
-/// time packing its four 512 x 512 weights piece by piece, panel by panel, and 10% with this loop,
-/// most of it reading the weights from beyond the caches (before `columns_in_place` took that
-/// shape's weights unpacked).
+/// The panels of `pack_panel` of the columns of W (d x m) as keys, for a product X W: each row of
+/// a panel is a contiguous piece of a row of W. W is read row by row, in memory order (a layer's
+/// weights are seldom in the cache: panel by panel, the rows 2 KiB apart defeated the prefetcher),
+/// and whole pieces are copied by a loop of fixed length (no call per piece); see
+/// docs/benchmarks.md.
 template <class T>
 void pack_columns(ConstRef<T> W, T* packed) {
   constexpr Index cols = ScoreTile<T>::cols;
@@ -377,12 +369,8 @@ void pack_columns(ConstRef<T> W, T* packed) {
 /// (`KeyPanels`) for n rows of X, instead of packing them: where W's rows hold whole panels that
 /// start on a packet, and the product is short next to W's size (n times W's bytes at most
 /// `in_place_limit`). There packing W is a good part of the product, while in place every row
-/// block reads W again through the caches, whose sets the rows (2 KiB and more apart) share.
-/// Measured on the 212 GFLOP/s machine (one thread, float, X n x E times W E x E, in place against
-/// packed): 0.70x the time at n = 32, E = 512; 0.81x at 64; 0.88x at 128; 0.93-0.94x at 256 and
-/// 512; 0.88x at n = 128, E = 1024 (all in place under the limit). Beyond it: 0.96x at
-/// n = 1024, E = 512, but 1.01x at n = 2048-16384, E = 512; 1.23-1.32x at n = 256 and 512,
-/// E = 1024; 1.04-1.32x at E = 1536; 1.15x at n = 4096, E = 768.
+/// block reads W again through the caches, whose sets the rows (2 KiB and more apart) share. The
+/// limit was chosen by measurement; see docs/benchmarks.md.
 template <class T>
 bool columns_in_place(ConstRef<T> W, Index n) {
   constexpr Index cols = ScoreTile<T>::cols;
