@@ -242,6 +242,53 @@ TEST(HostileValues, ProductsBeyondFloatWithATinyScale) {
   }
 }
 
+// A NaN beside such products: the guard's scan must not let the NaN hide the other entries'
+// magnitude (found by the fuzzer: Q = [NaN; -1.49e154], K = 1.34e154, scale 2.8e-309 gave row 1
+// zero instead of V). The NaN row stays NaN; the other rows are the materialised path's. Also with
+// the NaN in K and in bfloat16 keys.
+TEST(HostileValues, ANaNDoesNotHideAProductBeyondTheRange) {
+  {
+    attn::Matrix<double> Q(2, 1), K(1, 1), V(1, 1);
+    Q << std::nan(""), -1.490024623305252e+154;
+    K << 1.3407807929942597e+154;
+    V << 15.75;
+    attn::AttentionOptions<double> options;
+    options.scale = 2.7813423231340017e-309;
+    const attn::Matrix<double> out = attn::flash_attention(Q, K, V, options);
+    EXPECT_TRUE(std::isnan(out(0, 0)));
+    EXPECT_EQ(out(1, 0), 15.75);
+  }
+  const Index d = 16;
+  F Q = random_matrix<F>(40, d, 21, 1e19);
+  F K = random_matrix<F>(60, d, 22, 1e19);
+  const F V = random_matrix<F>(60, 8, 23);
+  attn::AttentionOptions<float> options;
+  options.scale = 1e-38f;
+  Q(0, 3) = std::nanf("");
+  K(59, 0) = std::nanf("");  // a key every row sees: every row NaN ...
+  F tiled = attn::flash_attention(Q, K, V, options);
+  EXPECT_TRUE(tiled.array().isNaN().all());
+  K(59, 0) = 1.0f;  // ... and without it only row 0
+  const F expected = attn::attention_with_weights(Q, K, V, options).output;
+  tiled = attn::flash_attention(Q, K, V, options);
+  EXPECT_TRUE(tiled.row(0).array().isNaN().all());
+  EXPECT_TRUE(attn_test::near(tiled.bottomRows(39), expected.bottomRows(39), 1e-5, 1e-4));
+  using Rows = Eigen::Matrix<Eigen::bfloat16, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  Rows K16 = K.cast<Eigen::bfloat16>();
+  K16(10, 2) = Eigen::bfloat16(std::nanf(""));
+  attn::AttentionOptions<float> masked = options;  // no row may see key 10: the NaN stays out
+  masked.mask = attn::Mask::Constant(40, 60, true);
+  masked.mask->col(10).setConstant(false);
+  Q(0, 3) = 1.0f;
+  const F want = attn::attention_with_weights(Q, F(K16.cast<float>()), V, masked).output;
+  ASSERT_TRUE(want.allFinite());
+  const Rows V16 = V.cast<Eigen::bfloat16>();
+  EXPECT_TRUE(attn_test::near(
+      attn::flash_attention(Q, K16, V16, masked),
+      attn::attention_with_weights(Q, F(K16.cast<float>()), F(V16.cast<float>()), masked).output,
+      1e-5, 1e-4));
+}
+
 // ------------------------------------------------------------------------------------------------
 // The ONNX adapter on shapes a model file may hold.
 

@@ -264,12 +264,19 @@ void flash_block(ConstRef<T> Q, const KBlock& K, const VBlock& V, const PackedKe
 /// format's largest finite value for float16.
 template <class T>
 T largest_key(ConstRef<T> K) {
+  // NaN entries are skipped (PropagateNumbers): a NaN must not hide the magnitude of the others.
   if (K.size() == 0) return T(0);
   if (K.outerStride() == K.cols()) {  // one contiguous run: faster than the Ref's rows
-    return Eigen::Map<const Vector<T>>(K.data(), K.size()).cwiseAbs().maxCoeff();
+    const T largest = Eigen::Map<const Vector<T>>(K.data(), K.size())
+                          .cwiseAbs()
+                          .template maxCoeff<Eigen::PropagateNumbers>();
+    return std::isnan(largest) ? T(0) : largest;
   }
   T largest = T(0);
-  for (Index j = 0; j < K.rows(); ++j) largest = std::max(largest, K.row(j).cwiseAbs().maxCoeff());
+  for (Index j = 0; j < K.rows(); ++j) {
+    const T row = K.row(j).cwiseAbs().template maxCoeff<Eigen::PropagateNumbers>();
+    if (row > largest) largest = row;
+  }
   return largest;
 }
 template <class T, class Codec>
@@ -281,12 +288,13 @@ T largest_key(const StoredBlock<Codec, T>& K) {
     for (Index j = 0; j < K.rows(); ++j) largest = std::max(largest, std::abs(K.scale(j)));
     return T(127) * largest;
   } else {
-    std::uint16_t bits = 0;  // |x| orders like the bits below the sign (NaN above infinity)
+    std::uint16_t bits = 0;  // |x| orders like the bits below the sign; NaN (above 0x7f80) skipped
     for (Index j = 0; j < K.rows(); ++j) {
       const typename Codec::Bits* row = K.data() + j * K.outerStride();
       for (Index c = 0; c < K.cols(); ++c) {
-        bits = std::max<std::uint16_t>(
-            bits, Eigen::numext::bit_cast<std::uint16_t>(row[c]) & std::uint16_t(0x7fff));
+        const auto magnitude =
+            std::uint16_t(Eigen::numext::bit_cast<std::uint16_t>(row[c]) & std::uint16_t(0x7fff));
+        if (magnitude <= std::uint16_t(0x7f80)) bits = std::max(bits, magnitude);
       }
     }
     return T(static_cast<float>(Eigen::numext::bit_cast<typename Codec::Bits>(bits)));
@@ -295,7 +303,8 @@ T largest_key(const StoredBlock<Codec, T>& K) {
 
 /// Whether `scale (Q K^T)`, computed as the tiles compute it (the sum first, then the scale),
 /// could overflow T where `(scale Q) K^T` would not: |q . k| <= d max|q| max|k|, with half the
-/// range kept for the rounding of the partial sums. NaN entries leave the answer false.
+/// range kept for the rounding of the partial sums. NaN entries are left out of the maxima (a NaN
+/// row stays NaN either way; the other rows still need the guard).
 template <class T, class KBlock>
 bool product_may_overflow(ConstRef<T> Q, const KBlock& K, T scale) {
   if (Q.size() == 0 || K.rows() == 0 || !(std::abs(scale) < T(1))) return false;
