@@ -10,4 +10,5 @@ target_link_libraries(attn_conformance PRIVATE
 target_compile_definitions(attn_conformance PRIVATE
   ATTN_ONNX_CASES_DIR="${CMAKE_CURRENT_SOURCE_DIR}/data/onnx_attention")
 attn_own_program(attn_conformance)
-gtest_discover_tests(attn_conformance DISCOVERY_TIMEOUT 60 PROPERTIES LABELS conformance)
+gtest_discover_tests(attn_conformance DISCOVERY_TIMEOUT 60
+                     PROPERTIES LABELS conformance ENVIRONMENT OMP_WAIT_POLICY=passive)
