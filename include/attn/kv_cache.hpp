@@ -155,7 +155,7 @@ class KVCache {
                    detail::dims_of(V_new), " but the cache needs (", config_.kv_heads, ", r, ",
                    config_.d_k, ") and (", config_.kv_heads, ", r, ", config_.d_v, ")");
     }
-    append(side_by_side(K_new), side_by_side(V_new));
+    append(merge_heads(K_new), merge_heads(V_new));
   }
 
   /// Attention of n queries over the cache, causal, into caller storage (no allocation once `out`
@@ -234,18 +234,11 @@ class KVCache {
   /// \returns (heads, n, d_v)
   Tensor3<T> attend_heads(const Tensor3<T>& Q_new, const AttentionOptions<T>& options = {},
                           const HeadOptions<T>& per_head = {}) const {
-    const Index heads = Q_new.dimension(0);
-    const Index n = Q_new.dimension(1);
     if (Q_new.dimension(2) != config_.d_k) {
       detail::fail("KVCache::attend_heads", "Q_new is ", detail::dims_of(Q_new),
                    " but the cache's heads have d_k = ", config_.d_k);
     }
-    const Matrix<T> out = attend(side_by_side(Q_new), options, per_head);
-    Tensor3<T> result(heads, n, config_.d_v);
-    for (Index h = 0; h < heads; ++h) {
-      detail::slice(result, h) = out.middleCols(h * config_.d_v, config_.d_v);
-    }
-    return result;
+    return split_heads(attend(merge_heads(Q_new), options, per_head), Q_new.dimension(0));
   }
 
   /// The kept keys of one key/value head, in the column order of `attend` (rotated with RoPE).
@@ -286,15 +279,6 @@ class KVCache {
       detail::fail(function, name, " has ", X.cols(), " columns but the cache needs ", what, " = ",
                    cols, " (", name, " is ", detail::shape_of(X), ")");
     }
-  }
-
-  /// (heads, r, d) -> r x (heads d).
-  static Matrix<T> side_by_side(const Tensor3<T>& t) {
-    const Index heads = t.dimension(0);
-    const Index d = t.dimension(2);
-    Matrix<T> out(t.dimension(1), heads * d);
-    for (Index h = 0; h < heads; ++h) out.middleCols(h * d, d) = detail::slice(t, h);
-    return out;
   }
 
   /// The absolute position of query 0: query_offset, or the last n positions.
