@@ -8,6 +8,8 @@
 // kernels run on attn's threads (OMP_NUM_THREADS with the openmp target). Read ratios within one
 // run: these machines are shared and noisy.
 
+#include <vector>
+
 #include "bench_support.hpp"
 
 namespace {
@@ -179,6 +181,83 @@ void BM_FlashTiles(benchmark::State& state) {
       c.flops());
 }
 
+/// Documents packed into one sequence (`docs` documents of n / docs tokens, causal inside each):
+/// way 0, one causal `flash_attention` per document (the ideal: no work across documents); way 1,
+/// the `DocumentMask` variant over the packed sequence; way 2, the same mask as an n x n table
+/// (`options.mask`); way 3, the variant without causality beside the option `causal`. Counter
+/// FLOP/s: the useful flops (each document's causal half) over the time, so the ways compare by
+/// it. The variants issue's target (way 1 within 1.15x of way 0):
+///   build/bench/attn_bench --benchmark_filter=BM_DocumentMask
+void BM_DocumentMask(benchmark::State& state) {
+  const Index n = state.range(0);
+  const Index docs = state.range(1);
+  const Index d = state.range(2);
+  const Index way = state.range(3);
+  const Index length = n / docs;
+  const attn::Matrix<float> Q = attn_bench::random_matrix<float>(n, d, 1);
+  const attn::Matrix<float> K = attn_bench::random_matrix<float>(n, d, 2);
+  const attn::Matrix<float> V = attn_bench::random_matrix<float>(n, d, 3);
+  attn::Matrix<float> O = attn::Matrix<float>::Zero(n, d);
+  std::vector<Index> offsets;
+  for (Index doc = 0; doc <= docs; ++doc) offsets.push_back(doc * length);
+  const attn::DocumentMask causal_documents(offsets, true);
+  const attn::DocumentMask documents(offsets, false);
+  attn::AttentionOptions<float> causal;
+  causal.causal = attn::Causal::BottomRight;
+  attn::AttentionOptions<float> table;
+  if (way == 2) table.mask = attn::variant_mask(causal_documents, n, n);
+  std::vector<attn::Matrix<float>> outs(static_cast<std::size_t>(docs));
+  const double flops = static_cast<double>(docs) * attention_flops(length, d, true);
+  time_calls(
+      state,
+      [&] {
+        if (way == 0) {
+          for (Index doc = 0; doc < docs; ++doc) {
+            const Index at = doc * length;
+            attn::flash_attention(Q.middleRows(at, length), K.middleRows(at, length),
+                                  V.middleRows(at, length), causal,
+                                  outs[static_cast<std::size_t>(doc)]);
+          }
+        } else if (way == 1) {
+          attn::flash_attention(Q, K, V, causal_documents, {}, O);
+        } else if (way == 2) {
+          attn::flash_attention(Q, K, V, table, O);
+        } else {
+          attn::flash_attention(Q, K, V, documents, causal, O);
+        }
+      },
+      O.data(), flops);
+}
+
+/// A variant's score modification against the same without a variant (`BM_Flash<float>`'s case):
+/// way 0, no variant; 1, a variant whose score is the identity; 2, the option `softcap` (c = 30);
+/// 3, the `Softcap` variant (c = 30). The variants issue's targets: 1 within 3% of 0, 3 within 3%
+/// of 2.   build/bench/attn_bench --benchmark_filter=BM_FlashScoreVariant
+void BM_FlashScoreVariant(benchmark::State& state) {
+  Single<float> c(state, false);
+  const Index way = state.range(3);
+  struct Identity {
+    float score(float s, const attn::ScoreAt&) const { return s; }
+  };
+  const attn::Softcap<float> softcap{30.0f};
+  attn::AttentionOptions<float> capped = c.options;
+  capped.softcap = 30.0f;
+  time_calls(
+      state,
+      [&] {
+        if (way == 0) {
+          attn::flash_attention(c.Q, c.K, c.V, c.options, c.O);
+        } else if (way == 1) {
+          attn::flash_attention(c.Q, c.K, c.V, Identity{}, c.options, c.O);
+        } else if (way == 2) {
+          attn::flash_attention(c.Q, c.K, c.V, capped, c.O);
+        } else {
+          attn::flash_attention(c.Q, c.K, c.V, softcap, c.options, c.O);
+        }
+      },
+      c.O.data(), c.flops());
+}
+
 /// `BM_Flash<float>` with the keys and values in bfloat16 (`Eigen::bfloat16` matrices, what a
 /// prefill over a `KVStorage::BFloat16` cache reads). vdpbf16ps = 0: widened when the keys are
 /// packed and tile by tile for the values, then the float kernel's arithmetic; 1: bfloat16
@@ -268,6 +347,18 @@ BENCHMARK(BM_Flash<float>)
 BENCHMARK(BM_FlashOverflowGuard<float>)
     ->ArgsProduct({{64, 128, 256, 1024, 4096}, {64, 128}, {0}, {0}})
     ->ArgNames({"n", "d", "causal", "window"})
+    ->UseRealTime();
+BENCHMARK(BM_DocumentMask)
+    ->ArgsProduct({{4096}, {8}, {64}, {0, 1, 2, 3}})
+    ->Args({16384, 8, 64, 0})
+    ->Args({16384, 8, 64, 1})
+    ->Args({16384, 8, 64, 2})
+    ->Args({16384, 8, 64, 3})
+    ->ArgNames({"n", "docs", "d", "way"})
+    ->UseRealTime();
+BENCHMARK(BM_FlashScoreVariant)
+    ->ArgsProduct({{512, 2048}, {64}, {0, 1}, {0, 1, 2, 3}})
+    ->ArgNames({"n", "d", "causal", "way"})
     ->UseRealTime();
 BENCHMARK(BM_FlashTiles)
     ->ArgsProduct({{2048}, {64, 128}, {0, 1}, {72, 36}, {128, 512}})

@@ -2,7 +2,7 @@
 /// seeded random cases per scalar type, each run through every forward path and compared with the
 /// long-double reference of API.md's rules and across paths.
 ///
-/// Re-run one case:      ATTN_DIFF_SEED=123 ./attn_tests --gtest_filter='Differential.*'
+/// Re-run one case:      ATTN_DIFF_SEED=123 ./attn_differential
 /// More or fewer cases:  ATTN_DIFF_CASES=20000 ...   (default 1000 per scalar type)
 /// Keep failing inputs:  ATTN_DIFF_WRITE=dir ...      (dir/<type>_seed_<n>.bin, a libFuzzer input:
 ///                                                    ./attention_fuzz dir/float_seed_123.bin)
@@ -75,7 +75,7 @@ void run_differential(const char* type) {
     if (failing <= printed_in_full || only) {
       std::ostringstream text;
       text << type << " seed " << seed << " fails (re-run: ATTN_DIFF_SEED=" << seed
-           << " attn_tests --gtest_filter='Differential.*')\n  case: " << outcome.description;
+           << " attn_differential)\n  case: " << outcome.description;
       for (const attn_diff::Failure& f : outcome.failures.list) {
         text << "\n  " << f.path << ": " << f.message;
       }

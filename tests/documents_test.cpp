@@ -32,11 +32,11 @@ attn::Matrix<T> make(Index rows, Index cols, std::initializer_list<double> value
   return M;
 }
 
-LMatrix printed(Index rows, Index cols, std::initializer_list<long double> values) {
+LMatrix printed(Index rows, Index cols, std::initializer_list<double> values) {
   LMatrix M(rows, cols);
   auto it = values.begin();
   for (Index i = 0; i < rows; ++i) {
-    for (Index j = 0; j < cols; ++j) M(i, j) = *it++;
+    for (Index j = 0; j < cols; ++j) M(i, j) = static_cast<long double>(*it++);
   }
   return M;
 }

@@ -397,8 +397,18 @@ TEST(FlashErrors, ChecksShapesOptionsAndTiles) {
 /// fall by at least 8 MB, and the next call gives the same bits. glibc's count of the bytes in
 /// use (`mallinfo2`, every arena and the mapped blocks); not under AddressSanitizer, whose
 /// allocator glibc does not count.
+// AddressSanitizer replaces glibc's allocator (GCC says so with __SANITIZE_ADDRESS__, Clang 14 only
+// through __has_feature).
+#if defined(__SANITIZE_ADDRESS__)
+#define ATTN_TEST_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define ATTN_TEST_ASAN 1
+#endif
+#endif
+
 TEST(ThreadBuffers, ReleaseGivesTheKeptMemoryBack) {
-#if !defined(__GLIBC__) || defined(__SANITIZE_ADDRESS__)
+#if !defined(__GLIBC__) || defined(ATTN_TEST_ASAN)
   GTEST_SKIP() << "needs glibc's allocator";
 #else
   const auto in_use = [] {

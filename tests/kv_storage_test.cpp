@@ -847,7 +847,8 @@ TEST(KVStorageInt8Arithmetic, EachPathThisMachineSupports) {
       const auto want =
           attn_test::naive_attention<float>(q_rounded, cache.keys(h / 4), values, options);
       const long double sum = (want.logits.array() - want.logits.maxCoeff()).exp().sum();
-      const double weights_bound = double(n * values.cwiseAbs().maxCoeff() / (65534.0L * sum));
+      const double weights_bound =
+          double(static_cast<long double>(n * values.cwiseAbs().maxCoeff()) / (65534.0L * sum));
       EXPECT_TRUE(attn_test::near(chosen.middleCols(h * d, d), want.output,
                                   attn_test::Tol<float>::rel,
                                   attn_test::Tol<float>::abs + weights_bound))

@@ -116,7 +116,7 @@ TYPED_TEST(Projection, WeightsInPlaceOrPackedGiveTheSameBits) {
     const LMatrix error =
         (in_place.template cast<long double>() - attn_test::naive_product(X, W)).cwiseAbs();
     const LMatrix bound = attn_test::naive_product(X.cwiseAbs(), W.cwiseAbs()) *
-                          (70.0L * std::numeric_limits<T>::epsilon());
+                          (70.0L * static_cast<long double>(std::numeric_limits<T>::epsilon()));
     EXPECT_TRUE((error.array() <= bound.array()).all()) << "n = " << n;
     EXPECT_TRUE(attn_test::identical(attn::project(X, W_shifted), in_place)) << "n = " << n;
     EXPECT_TRUE(attn_test::identical(attn::project(X, W_wider), in_place)) << "n = " << n;

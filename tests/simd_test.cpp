@@ -62,6 +62,9 @@ TEST(Simd, CompiledIsWhatEigenUses) {
       EXPECT_EQ(floats, 1);
       break;
   }
+#if defined(__aarch64__)
+  EXPECT_EQ(attn::simd_name(compiled), "NEON+FMA");  // both are part of the aarch64 base set
+#endif
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #ifdef __AVX2__
   constexpr bool compiler_avx2 = true;

@@ -105,7 +105,7 @@ TrapSide measure_side(const Matrix& P, const Matrix& dS) {
 constexpr std::uint64_t training_seed = 12;
 constexpr Index vocabulary = 6;  // symbols a..f
 constexpr Index length = 10;     // tokens per sequence
-constexpr Index back = 2;        // the target at position i is the symbol at i - back
+constexpr Index lag = 2;         // the target at position i is the symbol at i - lag
 constexpr Index features = vocabulary + length;  // one-hot symbol, then one-hot position
 constexpr Index width = 16;                      // d_k = d_v
 constexpr Index batch = 16;                      // sequences per SGD step
@@ -176,12 +176,12 @@ void run_sequence(const Layer& layer, const std::vector<Index>& symbols, double 
   // 4. Read out: logits Z = O W_O (length x vocabulary), probabilities p = softmax of each row.
   const Matrix Z = O * layer.W_O;
   const Matrix p = attn::softmax_rows(Z);
-  // 5. Loss: cross-entropy -log p_i[target_i] at each position i >= back (the first `back`
+  // 5. Loss: cross-entropy -log p_i[target_i] at each position i >= lag (the first `lag`
   //    positions have nothing to repeat). Its gradient with respect to the logits is
   //    dZ_i = p_i - onehot(target_i), and 0 at the positions without a target.
   Matrix dZ = Matrix::Zero(length, vocabulary);
-  for (Index i = back; i < length; ++i) {
-    const Index target = symbols[static_cast<std::size_t>(i - back)];
+  for (Index i = lag; i < length; ++i) {
+    const Index target = symbols[static_cast<std::size_t>(i - lag)];
     Index guess = 0;
     p.row(i).maxCoeff(&guess);
     tally.loss -= std::log(p(i, target));
@@ -262,13 +262,13 @@ void print_trap() {
 void print_training() {
   std::cout << "\nA layer that learns. One causal self-attention layer is trained by plain SGD to "
                "repeat the symbol\n"
-            << back << " places back: sequences of " << length << " symbols from a.."
-            << static_cast<char>('a' + vocabulary - 1) << ", and at each position i >= " << back + 1
-            << " (counting from 1) the\ntarget is the symbol at position i - " << back << ".\n";
+            << lag << " places back: sequences of " << length << " symbols from a.."
+            << static_cast<char>('a' + vocabulary - 1) << ", and at each position i >= " << lag + 1
+            << " (counting from 1) the\ntarget is the symbol at position i - " << lag << ".\n";
   SplitMix64 random(training_seed);
   const std::vector<Index> example = random_sequence(random);
-  std::cout << "  e.g. " << letters(example, length) << " -> targets at positions " << back + 1
-            << " to " << length << ": " << letters(example, length - back) << "\n"
+  std::cout << "  e.g. " << letters(example, length) << " -> targets at positions " << lag + 1
+            << " to " << length << ": " << letters(example, length - lag) << "\n"
             << "Embedding x_i = [one-hot symbol (" << vocabulary << "), one-hot position ("
             << length << ")], fixed. Learned: W_Q, W_K, W_V\n(" << features << " x " << width
             << ") and W_O (" << width << " x " << vocabulary
@@ -291,7 +291,7 @@ void print_training() {
   layer.W_O = random.normal_matrix(width, vocabulary) / std::sqrt(static_cast<double>(width));
 
   std::vector<std::vector<std::string>> curve{{"step", "loss", "accuracy"}};
-  const double predictions_per_step = static_cast<double>(batch * (length - back));
+  const double predictions_per_step = static_cast<double>(batch * (length - lag));
   for (int step = 0; step <= steps; ++step) {
     Layer grads;
     Tally tally;
@@ -327,7 +327,7 @@ void print_training() {
   for (Index j = 0; j < length; ++j) weights.push_back(fixed(P(length - 1, j), 2));
   std::cout << "What it learned, on the example: position " << length
             << "'s attention weights over positions 1 to " << length << "\n(its target is at "
-            << length - back << "): [" << join(weights, ", ") << "]\n";
+            << length - lag << "): [" << join(weights, ", ") << "]\n";
 }
 
 }  // namespace

@@ -6,6 +6,8 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
+#include <utility>
 
 #include "detail/paths.hpp"
 #include "detail/pipeline.hpp"
@@ -14,6 +16,7 @@
 #include "scores.hpp"
 #include "softmax.hpp"
 #include "types.hpp"
+#include "variant.hpp"
 
 namespace attn {
 /// Scaled dot-product attention, `softmax(scale * Q K^T + bias, masked) V`, into caller storage.
@@ -83,6 +86,67 @@ Attention<typename DQ::Scalar> attention_with_weights(
   return result;
 }
 
+namespace detail {
+
+/// `trace_attention`'s tables, with a variant's score after the scale and its mask beside the
+/// options' (none for `NoVariant`), in the tiled kernel's order.
+template <class T, class Variant>
+AttentionTrace<T> trace_tables(ConstRef<T> q, ConstRef<T> k, ConstRef<T> v,
+                               const AttentionOptions<T>& options,
+                               const BoundVariant<Variant>& variant) {
+  const ScoreRule<T> rule = make_rule(options, q.rows(), k.rows(), q.cols());
+  AttentionTrace<T> trace;
+  scores_kernel<T>(q, k, T(1), trace.scores);
+  trace.scaled = rule.scale * trace.scores;
+  // A score that came out not finite is computed again in the other paths' order, (scale q) . k:
+  // the raw sum may have overflowed where the scaled score is finite (entries near 1e19 with a
+  // scale of 1e-38), or met two infinities that the scaled sum does not.
+  for (Index i = 0; i < q.rows(); ++i) {
+    for (Index j = 0; j < k.rows(); ++j) {
+      if (!std::isfinite(trace.scaled(i, j))) {
+        trace.scaled(i, j) = (rule.scale * q.row(i)).dot(k.row(j));
+      }
+    }
+  }
+  if constexpr (variant_scores_v<Variant>) {
+    for (Index i = 0; i < q.rows(); ++i) {
+      for (Index j = 0; j < k.rows(); ++j) {
+        trace.scaled(i, j) = variant.variant->score(
+            trace.scaled(i, j), variant.at(rule.q_position + i, rule.k_position + j));
+      }
+    }
+  }
+  rule.apply_softcap(trace.scaled);
+  trace.masked = trace.scaled;
+  rule.apply_tables(trace.masked, 0, 0);
+  if constexpr (variant_masks_v<Variant>) {
+    for (Index i = 0; i < q.rows(); ++i) {
+      for (Index j = 0; j < k.rows(); ++j) {
+        if (!variant_allows(*variant.variant,
+                            variant.at(rule.q_position + i, rule.k_position + j))) {
+          trace.masked(i, j) = -std::numeric_limits<T>::infinity();
+        }
+      }
+    }
+  }
+  trace.exp = trace.masked;
+  trace.weights.resize(trace.exp.rows(), trace.exp.cols());
+  trace.row_max.resize(q.rows());
+  trace.row_sum.resize(q.rows());
+  for (Index i = 0; i < q.rows(); ++i) {
+    const RowStats<T> stats = exp_row_inplace<T>(trace.exp.row(i), options.sink);
+    trace.row_max(i) = stats.max;
+    trace.row_sum(i) = stats.sum;
+    trace.weights.row(i) = trace.exp.row(i);
+    normalise_inplace<T>(trace.weights.row(i), stats.sum);
+  }
+  trace.output.noalias() = trace.weights * v;
+  repair_rows<T>(q, k, v, rule, 0, q.rows(), trace.output, nullptr, variant);
+  return trace;
+}
+
+}  // namespace detail
+
 /// Every intermediate table of one attention call, in the order the documents compute them:
 /// raw scores, scaled, masked, row maxima, exponentials, row sums, weights, output.
 /// \param Q        n x d_k queries
@@ -98,40 +162,44 @@ AttentionTrace<typename DQ::Scalar> trace_attention(
     const AttentionOptions<typename DQ::Scalar>& options = {}) {
   using T = typename DQ::Scalar;
   detail::check_attention("trace_attention", Q, K, V, options);
-  const detail::ConstRef<T> q(Q);
-  const detail::ConstRef<T> k(K);
-  const detail::ConstRef<T> v(V);
-  const detail::ScoreRule<T> rule = detail::make_rule(options, q.rows(), k.rows(), q.cols());
-  AttentionTrace<T> trace;
-  detail::scores_kernel<T>(q, k, T(1), trace.scores);
-  trace.scaled = rule.scale * trace.scores;
-  // A score that came out not finite is computed again in the other paths' order, (scale q) . k:
-  // the raw sum may have overflowed where the scaled score is finite (entries near 1e19 with a
-  // scale of 1e-38), or met two infinities that the scaled sum does not.
-  for (Index i = 0; i < q.rows(); ++i) {
-    for (Index j = 0; j < k.rows(); ++j) {
-      if (!std::isfinite(trace.scaled(i, j))) {
-        trace.scaled(i, j) = (rule.scale * q.row(i)).dot(k.row(j));
-      }
-    }
-  }
-  rule.apply_softcap(trace.scaled);
-  trace.masked = trace.scaled;
-  rule.apply_tables(trace.masked, 0, 0);
-  trace.exp = trace.masked;
-  trace.weights.resize(trace.exp.rows(), trace.exp.cols());
-  trace.row_max.resize(q.rows());
-  trace.row_sum.resize(q.rows());
-  for (Index i = 0; i < q.rows(); ++i) {
-    const detail::RowStats<T> stats = detail::exp_row_inplace<T>(trace.exp.row(i), options.sink);
-    trace.row_max(i) = stats.max;
-    trace.row_sum(i) = stats.sum;
-    trace.weights.row(i) = trace.exp.row(i);
-    detail::normalise_inplace<T>(trace.weights.row(i), stats.sum);
-  }
-  trace.output.noalias() = trace.weights * v;
-  detail::repair_rows<T>(q, k, v, rule, 0, q.rows(), trace.output, nullptr);
-  return trace;
+  return detail::trace_tables<T>(Q, K, V, options, detail::BoundVariant<detail::NoVariant>{});
+}
+
+/// `trace_attention` with a variant (variant.hpp): `scaled` holds its score modification (after
+/// the scale, before the options' softcap), `masked` its mask beside the options' masks, so the
+/// tables show its effect. Query i stands at position `i + shift`, key j at position j.
+/// \param Q        n x d_k queries
+/// \param K        m x d_k keys
+/// \param V        m x d_v values
+/// \param variant  a variant (`is_variant_v`), checked by `check_variant`
+/// \param options  as for `scaled_dot_product_attention`
+/// \returns an `AttentionTrace` (see its fields for shapes).
+template <class DQ, class DK, class DV, class Variant,
+          std::enable_if_t<is_variant_v<Variant>, int> = 0>
+AttentionTrace<typename DQ::Scalar> trace_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Variant& variant, const AttentionOptions<typename DQ::Scalar>& options = {}) {
+  using T = typename DQ::Scalar;
+  check_variant<Variant, T>();
+  detail::check_attention("trace_attention", Q, K, V, options);
+  return detail::trace_tables<T>(Q, K, V, options, detail::BoundVariant<Variant>{&variant});
+}
+
+/// `attention_with_weights` with a variant: the output and the n x m weights of
+/// `trace_attention` with the same variant.
+/// \param Q        n x d_k queries
+/// \param K        m x d_k keys
+/// \param V        m x d_v values
+/// \param variant  a variant (`is_variant_v`), checked by `check_variant`
+/// \param options  as for `scaled_dot_product_attention`
+/// \returns `{output (n x d_v), weights (n x m)}`
+template <class DQ, class DK, class DV, class Variant,
+          std::enable_if_t<is_variant_v<Variant>, int> = 0>
+Attention<typename DQ::Scalar> attention_with_weights(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Variant& variant, const AttentionOptions<typename DQ::Scalar>& options = {}) {
+  AttentionTrace<typename DQ::Scalar> trace = trace_attention(Q, K, V, variant, options);
+  return {std::move(trace.output), std::move(trace.weights)};
 }
 
 /// Options types that extend `AttentionOptions` (`MultiHeadOptions`) are refused at compile time

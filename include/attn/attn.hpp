@@ -70,4 +70,5 @@
 #include "tensor.hpp"
 #include "threads.hpp"
 #include "types.hpp"
+#include "variant.hpp"
 #include "version.hpp"

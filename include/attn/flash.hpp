@@ -19,6 +19,7 @@
 #include "detail/stored.hpp"
 #include "detail/value_tiles.hpp"
 #include "threads.hpp"
+#include "variant.hpp"
 
 namespace attn {
 
@@ -32,6 +33,16 @@ struct FlashTiles {
   Index query_rows = 36;
   /// Keys per tile (at least 1; rounded up to whole register panels).
   Index key_cols = 512;
+};
+
+/// Tile sizes of the tiled backward (`attention_backward`, `flash_attention_backward`): query rows
+/// x key columns per tile. The key tiles are rounded up to whole register panels, as `FlashTiles`'
+/// are. The defaults, 128 x 128, were chosen by measurement (see docs/benchmarks.md).
+struct BackwardTiles {
+  /// Queries per tile (at least 1).
+  Index query_rows = 128;
+  /// Keys per tile (at least 1; rounded up to whole register panels).
+  Index key_cols = 128;
 };
 
 namespace detail {
@@ -141,14 +152,86 @@ const T* value_rows(const StoredBlock<Codec, T>& V, Index j0, Index cols, FlashS
 }
 
 /// `repair_rows` for keys and values in a stored format: widened first, only when a row needs it.
-template <class T, class Codec>
+template <class T, class Codec, class Variant = NoVariant>
 void repair_rows(ConstRef<T> Q, const StoredBlock<Codec, T>& K, const StoredBlock<Codec, T>& V,
-                 const ScoreRule<T>& rule, Index i0, Index rows, Eigen::Ref<Matrix<T>> O, T* lse) {
+                 const ScoreRule<T>& rule, Index i0, Index rows, Eigen::Ref<Matrix<T>> O, T* lse,
+                 const BoundVariant<Variant>& variant = {}) {
   if (std::isfinite(O.middleRows(i0, rows).sum())) return;
   Matrix<T> K_wide, V_wide;
   K.widen_into(K_wide);
   V.widen_into(V_wide);
-  repair_rows<T>(Q, K_wide, V_wide, rule, i0, rows, O, lse);
+  repair_rows<T>(Q, K_wide, V_wide, rule, i0, rows, O, lse, variant);
+}
+
+/// The variant's score modification on a tile of scaled scores (rows [i0, i0 + rows), key columns
+/// [j0, j0 + cols)), before the rule's steps: every entry, as the rule's softcap takes every entry.
+template <class T, class Variant>
+void variant_scores(const BoundVariant<Variant>& variant, const ScoreRule<T>& rule, T* s,
+                    Index s_stride, Index i0, Index rows, Index j0, Index cols) {
+  for (Index r = 0; r < rows; ++r) {
+    variant_score_run(*variant.variant, s + r * s_stride, cols,
+                      variant.at(rule.q_position + i0 + r, rule.k_position + j0));
+  }
+}
+
+/// The key columns [begin, end) of `range` that some row of [i0, i0 + rows) may see by the
+/// variant's ranges of keys (their hull), or `range` itself when the variant gives none: the tiles
+/// outside are never visited.
+template <class T, class Variant>
+KeyRange variant_columns(const BoundVariant<Variant>& variant, const ScoreRule<T>& rule,
+                         KeyRange range, Index i0, Index rows) {
+  if constexpr (variant_ranges_v<Variant>) {
+    Index begin = std::numeric_limits<Index>::max();
+    Index end = std::numeric_limits<Index>::min();
+    for (Index r = 0; r < rows; ++r) {
+      const PositionRange keys =
+          variant.variant->keys(variant.at(rule.q_position + i0 + r, rule.k_position));
+      if (keys.empty()) continue;
+      begin = std::min(begin, keys.begin);
+      end = std::max(end, keys.end);
+    }
+    if (begin >= end) return {range.begin, range.begin};
+    // In columns, without overflow for ranges that reach the ends of Index.
+    const Index first = rule.k_position;
+    const Index column_begin = begin <= first ? 0 : std::min(begin - first, rule.m);
+    const Index column_end = end <= first ? 0 : std::min(end - first, rule.m);
+    return {std::max(range.begin, column_begin), std::min(range.end, column_end)};
+  } else {
+    static_cast<void>(variant);
+    static_cast<void>(rule);
+    static_cast<void>(i0);
+    static_cast<void>(rows);
+    return range;
+  }
+}
+
+/// The variant's mask on a Partial tile, after the rule's steps: forbidden entries to -inf (row
+/// by row outside a variant's range of keys, else key by key).
+template <class T, class Variant>
+void variant_mask_tile(const BoundVariant<Variant>& variant, const ScoreRule<T>& rule, T* s,
+                       Index s_stride, Index i0, Index rows, Index j0, Index cols) {
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  const Index first_key = rule.k_position + j0;  // the tile's keys are [first_key, + cols)
+  for (Index r = 0; r < rows; ++r) {
+    T* row = s + r * s_stride;
+    const Index query = rule.q_position + i0 + r;
+    if constexpr (variant_ranges_v<Variant>) {
+      const PositionRange keys = variant.variant->keys(variant.at(query, first_key));
+      // In tile columns, without overflow for ranges that reach the ends of Index.
+      const Index begin = keys.begin <= first_key ? 0 : std::min(keys.begin - first_key, cols);
+      const Index end = keys.end <= first_key ? 0 : std::min(keys.end - first_key, cols);
+      if (begin >= end) {
+        std::fill(row, row + cols, neg_inf);
+      } else {
+        std::fill(row, row + begin, neg_inf);
+        std::fill(row + end, row + cols, neg_inf);
+      }
+    } else {
+      for (Index c = 0; c < cols; ++c) {
+        if (!variant.variant->allowed(variant.at(query, first_key + c))) row[c] = neg_inf;
+      }
+    }
+  }
 }
 
 /// S = scale * Q_i K_j^T for the block's rows and the key tile [j0, j0 + cols), j0 on a panel:
@@ -196,10 +279,11 @@ void flash_scores(ConstRef<T> Q, const PackedKeys<T>& keys, T scale, Index i0, I
 /// recomputed key by key (`repair_rows`), so a forbidden key's NaN value never reaches them.
 /// K and V are blocks of T or `StoredBlock`s (the keys are then widened when packed, the values
 /// tile by tile).
-template <class T, class KBlock, class VBlock>
+template <class T, class KBlock, class VBlock, class Variant = NoVariant>
 void flash_block(ConstRef<T> Q, const KBlock& K, const VBlock& V, const PackedKeys<T>& keys,
                  const ScoreRule<T>& rule, const FlashTiles& tiles, Index i0, Index rows,
-                 FlashScratch<T>& scratch, Eigen::Ref<Matrix<T>> O, T* lse) {
+                 FlashScratch<T>& scratch, Eigen::Ref<Matrix<T>> O, T* lse,
+                 const BoundVariant<Variant>& variant = {}) {
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
   constexpr Index w = ScoreTile<T>::cols;
   const Index tile_cols = whole_panels<T>(tiles.key_cols);
@@ -212,21 +296,37 @@ void flash_block(ConstRef<T> Q, const KBlock& K, const VBlock& V, const PackedKe
   T* s = scratch.s.data();
   const Index s_stride = scratch.s.outerStride();
   const bool plain = !rule.has_tables() && !rule.softcap;
-  const KeyRange range = rule.keys(i0, rows);
+  const KeyRange range = variant_columns<T>(variant, rule, rule.keys(i0, rows), i0, rows);
   const KeyRange first_row = rule.keys(i0);
   const KeyRange last_row = rule.keys(i0 + rows - 1);
   for (Index j0 = range.begin / w * w; j0 < range.end; j0 += tile_cols) {
     const Index cols = std::min(tile_cols, range.end - j0);
     if (rule.masked_out(i0, rows, j0, cols)) continue;
+    TileKind kind = TileKind::Full;  // of the variant's mask
+    if constexpr (variant_masks_v<Variant>) {
+      kind = classify_tile(*variant.variant,
+                           variant.tile(rule.q_position + i0, rule.q_position + i0 + rows,
+                                        rule.k_position + j0, rule.k_position + j0 + cols));
+      if (kind == TileKind::Empty) continue;
+    }
 
-    // 1. Logits of the tile; the rule where it changes anything.
+    // 1. Logits of the tile; the variant's score, the rule and the variant's mask where they
+    //    change anything.
     flash_scores<T>(Q, keys, rule.scale, i0, rows, j0, cols, s, s_stride);
+    if constexpr (variant_scores_v<Variant>) {
+      variant_scores<T>(variant, rule, s, s_stride, i0, rows, j0, cols);
+    }
     const Index padded = whole_panels<T>(cols);
     const bool inside = last_row.begin <= j0 && first_row.end >= j0 + cols;
     if (!plain || !inside) {
       Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> tile(s, rows, cols,
                                                           Eigen::OuterStride<>(s_stride));
       rule.apply(tile, i0, j0);
+    }
+    if constexpr (variant_masks_v<Variant>) {
+      if (kind == TileKind::Partial) {
+        variant_mask_tile<T>(variant, rule, s, s_stride, i0, rows, j0, cols);
+      }
     }
 
     // 2. Online softmax of each row, then the weighted values with the rescale.
@@ -257,25 +357,47 @@ void flash_block(ConstRef<T> Q, const KBlock& K, const VBlock& V, const PackedKe
                    scratch.state.o.data(), scratch.state.o.outerStride());
   }
   scratch.state.finish(O.middleRows(i0, rows), lse ? lse + i0 : nullptr);
-  repair_rows<T>(Q, K, V, rule, i0, rows, O, lse);
+  repair_rows<T>(Q, K, V, rule, i0, rows, O, lse, variant);
+}
+
+/// The largest |x| of `count` consecutive entries, NaN entries skipped (a NaN must not hide the
+/// magnitude of the others). NaN lanes are zeroed before the max, whose NaN rule differs between
+/// SIMD sets; Eigen's NaN-skipping `maxCoeff` takes one entry at a time, a cost short calls see
+/// (docs/benchmarks.md).
+template <class T>
+T largest_magnitude_skipping_nan(const T* x, Index count) {
+  namespace ei = Eigen::internal;
+  using Packet = typename ei::packet_traits<T>::type;
+  constexpr Index w = ei::packet_traits<T>::size;
+  T largest = T(0);
+  Index i = 0;
+  if constexpr (w > 1) {
+    Packet a = ei::pset1<Packet>(T(0));
+    Packet b = a;
+    for (; i + 2 * w <= count; i += 2 * w) {
+      const Packet x0 = ei::pabs(ei::ploadu<Packet>(x + i));
+      const Packet x1 = ei::pabs(ei::ploadu<Packet>(x + i + w));
+      a = ei::pmax(a, ei::pand(x0, ei::pcmp_eq(x0, x0)));
+      b = ei::pmax(b, ei::pand(x1, ei::pcmp_eq(x1, x1)));
+    }
+    largest = ei::predux_max(ei::pmax(a, b));
+  }
+  for (; i < count; ++i) {
+    const T magnitude = std::abs(x[i]);
+    if (magnitude > largest) largest = magnitude;  // false for NaN
+  }
+  return largest;
 }
 
 /// The largest |k| a block of keys may hold: scanned for T, bfloat16 and int8 (its scales), the
 /// format's largest finite value for float16.
 template <class T>
 T largest_key(ConstRef<T> K) {
-  // NaN entries are skipped (PropagateNumbers): a NaN must not hide the magnitude of the others.
-  if (K.size() == 0) return T(0);
-  if (K.outerStride() == K.cols()) {  // one contiguous run: faster than the Ref's rows
-    const T largest = Eigen::Map<const Vector<T>>(K.data(), K.size())
-                          .cwiseAbs()
-                          .template maxCoeff<Eigen::PropagateNumbers>();
-    return std::isnan(largest) ? T(0) : largest;
-  }
+  if (K.outerStride() == K.cols()) return largest_magnitude_skipping_nan(K.data(), K.size());
   T largest = T(0);
   for (Index j = 0; j < K.rows(); ++j) {
-    const T row = K.row(j).cwiseAbs().template maxCoeff<Eigen::PropagateNumbers>();
-    if (row > largest) largest = row;
+    largest =
+        std::max(largest, largest_magnitude_skipping_nan(K.data() + j * K.outerStride(), K.cols()));
   }
   return largest;
 }
@@ -332,15 +454,15 @@ void with_safe_scale(ConstRef<T> Q, const KBlock& K, const ScoreRule<T>& rule, R
 
 /// The query blocks [0, n) of one head, on this thread: the tiled path of `run_path` (K and V
 /// blocks of T or `StoredBlock`s).
-template <class T, class KBlock, class VBlock>
+template <class T, class KBlock, class VBlock, class Variant = NoVariant>
 void flash_blocks(ConstRef<T> Q, const KBlock& K, const VBlock& V, const ScoreRule<T>& rule,
                   const FlashTiles& tiles, FlashScratch<T>& scratch, Eigen::Ref<Matrix<T>> O,
-                  T* lse) {
+                  T* lse, const BoundVariant<Variant>& variant = {}) {
   with_safe_scale<T>(Q, K, rule, [&](ConstRef<T> Q_s, const ScoreRule<T>& rule_s) {
     const PackedKeys<T> keys = pack_for_scores<T>(Q_s, K, V, rule_s);
     for (Index i0 = 0; i0 < Q_s.rows(); i0 += tiles.query_rows) {
       flash_block<T>(Q_s, K, V, keys, rule_s, tiles, i0,
-                     std::min(tiles.query_rows, Q_s.rows() - i0), scratch, O, lse);
+                     std::min(tiles.query_rows, Q_s.rows() - i0), scratch, O, lse, variant);
     }
   });
 }
@@ -354,9 +476,10 @@ void flash_blocks(ConstRef<T> Q, const KBlock& K, const VBlock& V, const ScoreRu
 /// Why a copy per thread: one copy packed by the calling thread and read by the team had to be
 /// taken back from the other threads' caches, line by line, at every call. A copy packed by each
 /// thread for itself costs one packing per thread and no such transfer (see docs/benchmarks.md).
-template <class T, class KBlock, class VBlock>
+template <class T, class KBlock, class VBlock, class Variant = NoVariant>
 void flash_kernel_on(ConstRef<T> Q, const KBlock& K, const VBlock& V, const ScoreRule<T>& rule,
-                     const FlashTiles& tiles, Eigen::Ref<Matrix<T>> O, T* lse) {
+                     const FlashTiles& tiles, Eigen::Ref<Matrix<T>> O, T* lse,
+                     const BoundVariant<Variant>& variant = {}) {
   const Index n = Q.rows();
   if (n == 0) return;
   const Index blocks = (n + tiles.query_rows - 1) / tiles.query_rows;
@@ -366,7 +489,7 @@ void flash_kernel_on(ConstRef<T> Q, const KBlock& K, const VBlock& V, const Scor
       if (!scratch.keys) scratch.keys = pack_for_scores<T>(Q_s, K, V, rule_s);
       const Index i0 = (blocks - 1 - b) * tiles.query_rows;
       flash_block<T>(Q_s, K, V, *scratch.keys, rule_s, tiles, i0,
-                     std::min(tiles.query_rows, n - i0), scratch, O, lse);
+                     std::min(tiles.query_rows, n - i0), scratch, O, lse, variant);
     });
   });
 }
@@ -376,6 +499,31 @@ template <class T>
 void flash_kernel(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& rule,
                   const FlashTiles& tiles, Eigen::Ref<Matrix<T>> O, T* lse) {
   flash_kernel_on<T>(Q, K, V, rule, tiles, O, lse);
+}
+
+/// The checking mode (`Checked`): every tile the tiled kernel will classify for the call, in its
+/// order, checked against the variant's mask (a superset: tiles the rule's masks skip too).
+template <class T, class Variant>
+void check_kernel_tiles(const ScoreRule<T>& rule, const FlashTiles& tiles,
+                        const BoundVariant<Variant>& variant) {
+  if constexpr (is_checked<Variant>::value && variant_masks_v<Variant>) {
+    constexpr Index w = ScoreTile<T>::cols;
+    const Index tile_cols = whole_panels<T>(tiles.key_cols);
+    for (Index i0 = 0; i0 < rule.n; i0 += tiles.query_rows) {
+      const Index rows = std::min(tiles.query_rows, rule.n - i0);
+      const KeyRange range = rule.keys(i0, rows);
+      for (Index j0 = range.begin / w * w; j0 < range.end; j0 += tile_cols) {
+        const Index cols = std::min(tile_cols, range.end - j0);
+        check_tile(*variant.variant,
+                   variant.tile(rule.q_position + i0, rule.q_position + i0 + rows,
+                                rule.k_position + j0, rule.k_position + j0 + cols));
+      }
+    }
+  } else {
+    static_cast<void>(rule);
+    static_cast<void>(tiles);
+    static_cast<void>(variant);
+  }
 }
 
 /// Tile sizes (`FlashTiles`, `BackwardTiles`) must be at least 1.
@@ -462,6 +610,94 @@ Matrix<typename DQ::Scalar> flash_attention(const Eigen::MatrixBase<DQ>& Q,
   detail::with_kv_blocks<T>(K, V, [&](const auto& K_b, const auto& V_b) {
     detail::flash_kernel_on<T>(Q, detail::kernel_block<T>(K_b), detail::kernel_block<T>(V_b), rule,
                                tiles, O, log_sum_exp.data());
+  });
+  return O;
+}
+
+/// `flash_attention` with a variant (variant.hpp, docs/variants.md), into caller storage: its
+/// score modification of each scaled score, before the options' softcap, bias and ALiBi, and its
+/// mask beside the options' masks. Tiles the variant calls Empty are skipped, Full ones run
+/// without its mask, and only Partial ones evaluate it entry by entry. `ScoreAt::batch`, `head`
+/// and `kv_head` are 0; query i stands at position `i + shift` (the options' query offset), key j
+/// at position j.
+/// \param Q        n x d_k queries
+/// \param K        m x d_k keys: Q's scalar type, or `Eigen::half` / `Eigen::bfloat16`
+/// \param V        m x d_v values, of K's scalar type
+/// \param variant  a variant (`is_variant_v`), checked by `check_variant`; `checked(variant)`
+///                 checks its tile classifications first
+/// \param options  every `AttentionOptions` field
+/// \param out      resized to n x d_v (no allocation when it already has that shape)
+/// \param tiles    tile sizes (query rows x key columns)
+template <class DQ, class DK, class DV, class Variant,
+          std::enable_if_t<is_variant_v<Variant>, int> = 0>
+void flash_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                     const Eigen::MatrixBase<DV>& V, const Variant& variant,
+                     const AttentionOptions<typename DQ::Scalar>& options,
+                     Matrix<typename DQ::Scalar>& out, const FlashTiles& tiles = {}) {
+  using T = typename DQ::Scalar;
+  check_variant<Variant, T>();
+  detail::check_attention_kv("flash_attention", Q, K, V, options);
+  detail::require_tiles("flash_attention", tiles);
+  out.resize(Q.rows(), V.cols());
+  const detail::ScoreRule<T> rule = detail::make_rule(options, Q.rows(), K.rows(), Q.cols());
+  const detail::BoundVariant<Variant> bound{&variant};
+  detail::check_kernel_tiles<T>(rule, tiles, bound);
+  detail::with_kv_blocks<T>(K, V, [&](const auto& K_b, const auto& V_b) {
+    detail::flash_kernel_on<T>(Q, detail::kernel_block<T>(K_b), detail::kernel_block<T>(V_b), rule,
+                               tiles, out, nullptr, bound);
+  });
+}
+
+/// `flash_attention` with a variant, returning its n x d_v result (see the overload writing into
+/// caller storage).
+/// \param Q        n x d_k queries
+/// \param K        m x d_k keys: Q's scalar type, or `Eigen::half` / `Eigen::bfloat16`
+/// \param V        m x d_v values, of K's scalar type
+/// \param variant  a variant (`is_variant_v`)
+/// \param options  every `AttentionOptions` field
+/// \param tiles    tile sizes (query rows x key columns)
+/// \returns n x d_v
+template <class DQ, class DK, class DV, class Variant,
+          std::enable_if_t<is_variant_v<Variant>, int> = 0>
+Matrix<typename DQ::Scalar> flash_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Variant& variant, const AttentionOptions<typename DQ::Scalar>& options = {},
+    const FlashTiles& tiles = {}) {
+  Matrix<typename DQ::Scalar> out;
+  flash_attention(Q, K, V, variant, options, out, tiles);
+  return out;
+}
+
+/// `flash_attention` with a variant that also returns each row's log-sum-exp (see the overload
+/// above and the one without a variant): `-inf` for a row that may attend nothing.
+/// \param Q            n x d_k queries
+/// \param K            m x d_k keys: Q's scalar type, or `Eigen::half` / `Eigen::bfloat16`
+/// \param V            m x d_v values, of K's scalar type
+/// \param variant      a variant (`is_variant_v`), checked by `check_variant`
+/// \param options      every `AttentionOptions` field
+/// \param log_sum_exp  resized to n
+/// \param tiles        tile sizes (query rows x key columns)
+/// \returns n x d_v
+template <class DQ, class DK, class DV, class Variant,
+          std::enable_if_t<is_variant_v<Variant>, int> = 0>
+Matrix<typename DQ::Scalar> flash_attention(const Eigen::MatrixBase<DQ>& Q,
+                                            const Eigen::MatrixBase<DK>& K,
+                                            const Eigen::MatrixBase<DV>& V, const Variant& variant,
+                                            const AttentionOptions<typename DQ::Scalar>& options,
+                                            Vector<typename DQ::Scalar>& log_sum_exp,
+                                            const FlashTiles& tiles = {}) {
+  using T = typename DQ::Scalar;
+  check_variant<Variant, T>();
+  detail::check_attention_kv("flash_attention", Q, K, V, options);
+  detail::require_tiles("flash_attention", tiles);
+  Matrix<T> O(Q.rows(), V.cols());
+  log_sum_exp.resize(Q.rows());
+  const detail::ScoreRule<T> rule = detail::make_rule(options, Q.rows(), K.rows(), Q.cols());
+  const detail::BoundVariant<Variant> bound{&variant};
+  detail::check_kernel_tiles<T>(rule, tiles, bound);
+  detail::with_kv_blocks<T>(K, V, [&](const auto& K_b, const auto& V_b) {
+    detail::flash_kernel_on<T>(Q, detail::kernel_block<T>(K_b), detail::kernel_block<T>(V_b), rule,
+                               tiles, O, log_sum_exp.data(), bound);
   });
   return O;
 }

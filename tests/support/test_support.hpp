@@ -289,14 +289,27 @@ struct NaiveAttention {
   LMatrix output;   ///< n x d_v
 };
 
-/// The whole score pipeline of API.md by plain loops in long double: `scale * q_i . k_j` ->
-/// softcap `c tanh(s / c)` -> `+ bias` and `- slope |i + shift - j|` -> mask (causal, window,
-/// `mask`) -> softmax with the optional sink in the denominator -> `weights V`. A row that may
-/// attend nothing gets zero weights and a zero output.
-template <class T, class DQ, class DK, class DV>
+/// A variant's score of a long-double logit, evaluated in T, the call's type (a variant's
+/// `score` is a function of T, as the kernels call it).
+template <class T, class Variant>
+long double naive_variant_score(const Variant& variant, long double s, const attn::ScoreAt& at) {
+  if constexpr (!attn::variant_scores_v<Variant>) {
+    return s;
+  } else {
+    return static_cast<long double>(variant.score(static_cast<T>(s), at));
+  }
+}
+
+/// The whole score pipeline of API.md by plain loops in long double: `scale * q_i . k_j` -> the
+/// variant's score (variant.hpp; none by default) -> softcap `c tanh(s / c)` -> `+ bias` and
+/// `- slope |i + shift - j|` -> mask (causal, window, `mask`, the variant's) -> softmax with the
+/// optional sink in the denominator -> `weights V`. A row that may attend nothing gets zero
+/// weights and a zero output. The variant sees query i at position i + shift, key j at j.
+template <class T, class DQ, class DK, class DV, class Variant = attn::detail::NoVariant>
 NaiveAttention naive_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                const Eigen::MatrixBase<DV>& V,
-                               const attn::AttentionOptions<T>& options = {}) {
+                               const attn::AttentionOptions<T>& options = {},
+                               const Variant& variant = {}) {
   const Index n = Q.rows();
   const Index m = K.rows();
   const Index d = Q.cols();
@@ -312,6 +325,10 @@ NaiveAttention naive_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matr
       long double dot = 0;
       for (Index k = 0; k < d; ++k) dot += detail::to_ld(Q(i, k)) * detail::to_ld(K(j, k));
       long double s = scale * dot;
+      attn::ScoreAt at;
+      at.query = at.query_in_sequence = i + shift;
+      at.key = at.key_in_sequence = j;
+      s = naive_variant_score<T>(variant, s, at);
       if (options.softcap) {
         const long double c = detail::to_ld(*options.softcap);
         s = c * std::tanh(s / c);
@@ -328,6 +345,9 @@ NaiveAttention naive_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matr
             detail::to_ld(*options.alibi_slope) * static_cast<long double>(std::abs(i + shift - j));
       }
       if (options.mask && !(*options.mask)(i, j)) allowed = false;
+      if constexpr (attn::variant_masks_v<Variant>) {
+        if (!attn::variant_allows(variant, at)) allowed = false;
+      }
       r.logits(i, j) = allowed ? s : neg_inf;
     }
     long double max = neg_inf;

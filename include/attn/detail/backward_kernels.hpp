@@ -28,15 +28,6 @@
 #include "value_tiles.hpp"
 
 namespace attn {
-
-/// Tile sizes of the tiled backward (query rows x key columns per tile). The key tiles are rounded
-/// up to whole register panels of the score kernel, as `FlashTiles`' are. The defaults, 128 x 128,
-/// were chosen by measurement (bench/backward_bench.cpp; see docs/benchmarks.md).
-struct BackwardTiles {
-  Index query_rows = 128;
-  Index key_cols = 128;
-};
-
 namespace detail {
 
 /// The most parts the tiled backward splits the keys into (each part keeps an n x d_k partial dQ).

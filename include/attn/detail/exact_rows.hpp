@@ -12,16 +12,33 @@
 
 #include "../softmax.hpp"
 #include "../types.hpp"
+#include "../variant.hpp"
 #include "score_rule.hpp"
 
 namespace attn {
 namespace detail {
 
-/// Row i of attention by `rule`, computed key by key. Shape contract: Q n x d_k (unscaled), K m x
-/// d_k, V m x d_v, out 1 x d_v; lse (optional) receives m_i + log(l_i) (sink included when set).
-template <class T>
+/// The logit of query i and key column j by the rule and the variant: the variant's score of the
+/// scaled score, then the rule's steps, then the variant's mask (the tiled kernel's order).
+template <class T, class Variant>
+T variant_logit(const ScoreRule<T>& rule, const BoundVariant<Variant>& variant, T scaled, Index i,
+                Index j) {
+  if constexpr (is_variant_v<Variant>) {
+    const ScoreAt at = variant.at(rule.q_position + i, rule.k_position + j);
+    const T logit = rule.logit(variant_score(*variant.variant, scaled, at), i, j);
+    if (!variant_allows(*variant.variant, at)) return -std::numeric_limits<T>::infinity();
+    return logit;
+  } else {
+    return rule.logit(scaled, i, j);
+  }
+}
+
+/// Row i of attention by `rule` (and the variant), computed key by key. Shape contract: Q n x d_k
+/// (unscaled), K m x d_k, V m x d_v, out 1 x d_v; lse (optional) receives m_i + log(l_i) (sink
+/// included when set).
+template <class T, class Variant = NoVariant>
 void exact_row(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& rule, Index i,
-               Eigen::Ref<RowVector<T>> out, T* lse) {
+               Eigen::Ref<RowVector<T>> out, T* lse, const BoundVariant<Variant>& variant = {}) {
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
   const KeyRange keys = rule.keys(i);
   // (scale q) . k, the materialised path's order: the sum cannot overflow where the scaled score
@@ -29,7 +46,7 @@ void exact_row(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& 
   const RowVector<T> q = rule.scale * Q.row(i);
   T max = rule.sink ? *rule.sink : neg_inf;
   for (Index j = keys.begin; j < keys.end; ++j) {
-    max = nan_max(max, rule.logit(q.dot(K.row(j)), i, j));
+    max = nan_max(max, variant_logit(rule, variant, q.dot(K.row(j)), i, j));
   }
   out.setZero();
   if (max == neg_inf) {
@@ -38,7 +55,7 @@ void exact_row(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& 
   }
   T sum = rule.sink ? std::exp(*rule.sink - max) : T(0);
   for (Index j = keys.begin; j < keys.end; ++j) {
-    const T s = rule.logit(q.dot(K.row(j)), i, j);
+    const T s = variant_logit(rule, variant, q.dot(K.row(j)), i, j);
     if (s == neg_inf) continue;  // forbidden: never multiplied, whatever V_j holds
     const T p = std::exp(s - max);
     sum += p;
@@ -51,13 +68,14 @@ void exact_row(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& 
 /// Recomputes with `exact_row` the rows [i0, i0 + rows) of O whose values are not all finite.
 /// The test is one vectorised sum of the block (any NaN or infinity makes it non-finite; a finite
 /// block whose sum overflows only costs a needless, exact recomputation), then one sum per row.
-template <class T>
+template <class T, class Variant = NoVariant>
 void repair_rows(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& rule, Index i0,
-                 Index rows, Eigen::Ref<Matrix<T>> O, T* lse) {
+                 Index rows, Eigen::Ref<Matrix<T>> O, T* lse,
+                 const BoundVariant<Variant>& variant = {}) {
   if (std::isfinite(O.middleRows(i0, rows).sum())) return;
   for (Index i = i0; i < i0 + rows; ++i) {
     if (!std::isfinite(O.row(i).sum())) {
-      exact_row<T>(Q, K, V, rule, i, O.row(i), lse ? lse + i : nullptr);
+      exact_row<T>(Q, K, V, rule, i, O.row(i), lse ? lse + i : nullptr, variant);
     }
   }
 }

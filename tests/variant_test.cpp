@@ -1,0 +1,529 @@
+/// variant.hpp: the compile-time checks of a variant's members, the ready variants' masks against
+/// their definitions, their tile classifications against brute-force evaluation on ragged tiles
+/// (never a wrong Empty or Full), composition, the score chain's derivative against central
+/// differences, the bad inputs; and `flash_attention` with a variant against the long-double
+/// reference evaluating the same variant densely (tests/support/test_support.hpp).
+
+#include <gtest/gtest.h>
+
+#include <attn/attention.hpp>
+#include <attn/flash.hpp>
+#include <attn/threads.hpp>
+#include <attn/variant.hpp>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "test_support.hpp"
+
+namespace variant_test {
+
+using attn::Index;
+using attn::PositionRange;
+using attn::ScoreAt;
+using attn::TileAt;
+using attn::TileKind;
+
+// The compile-time view of a variant.
+struct WrongAllowed {
+  int allowed(const ScoreAt&) const { return 1; }  // returns int, not bool
+};
+struct TemplateScore {
+  template <class T>
+  T score(T s, const ScoreAt&) const {
+    return s + T(1);
+  }
+};
+static_assert(attn::variant_masks_v<attn::CausalMask> && attn::variant_tiles_v<attn::CausalMask>);
+static_assert(attn::variant_ranges_v<attn::CausalMask> && !attn::variant_ranges_v<attn::TreeMask>);
+// Ranges on both sides stay a range; a rule on either side makes a rule.
+static_assert(attn::variant_ranges_v<attn::Both<attn::DocumentMask, attn::PrefixLM>>);
+static_assert(!attn::variant_ranges_v<attn::Both<attn::DocumentMask, attn::DilatedWindow>>);
+static_assert(!attn::variant_scores_v<attn::CausalMask>);
+static_assert(attn::variant_scores_v<attn::Softcap<float>> &&
+              !attn::variant_masks_v<attn::Softcap<float>>);
+static_assert(attn::variant_scores_v<attn::Both<attn::DocumentMask, attn::Softcap<double>>>);
+static_assert(!attn::variant_scores_v<attn::Both<attn::CausalMask, attn::PrefixLM>>);
+// A member with the right name and the wrong signature is seen (check_variant refuses it).
+static_assert(attn::detail::names_allowed<WrongAllowed>::value);
+static_assert(!attn::detail::callable_allowed<WrongAllowed>::value);
+// A template `score` is seen by name and checked per scalar type.
+static_assert(attn::variant_scores_v<TemplateScore>);
+static_assert(attn::detail::callable_score<TemplateScore, float>::value);
+static_assert(attn::check_variant<attn::Softcap<double>, double, true>());
+static_assert(!attn::detail::callable_score<attn::Softcap<float>, double>::value);
+
+/// What `classify_tiles` found.
+struct TileCounts {
+  Index tiles = 0;  ///< tiles classified
+  Index exact = 0;  ///< classified as the brute force does (not a safe Partial)
+  Index wrong = 0;  ///< called Empty or Full where the mask disagrees
+};
+
+/// Every tile of several ragged sizes over positions [lo, hi) x [lo, hi), classified by the
+/// variant and by brute force. A wrong Empty or Full is a test failure unless `expect_wrong`.
+template <class V>
+TileCounts classify_tiles(const V& variant, Index lo, Index hi, const std::string& name,
+                          bool expect_wrong = false) {
+  TileCounts counts;
+  for (Index rows : {1, 2, 3, 5, 8}) {
+    for (Index cols : {1, 3, 4, 7, 16}) {
+      for (Index q = lo; q < hi; q += rows) {
+        for (Index k = lo; k < hi; k += cols) {
+          const TileAt tile{0, 0, 0, {q, std::min(q + rows, hi)}, {k, std::min(k + cols, hi)}};
+          const TileKind claimed = attn::classify_tile(variant, tile);
+          const TileKind actual = attn::classify_by_mask(variant, tile);
+          ++counts.tiles;
+          if (claimed == actual) ++counts.exact;
+          if (claimed != TileKind::Partial && claimed != actual) {
+            ++counts.wrong;
+            if (!expect_wrong) {
+              ADD_FAILURE() << name << ": tile [" << tile.queries.begin << ", " << tile.queries.end
+                            << ") x [" << tile.keys.begin << ", " << tile.keys.end << ") called "
+                            << static_cast<int>(claimed) << ", mask says "
+                            << static_cast<int>(actual);
+            }
+          }
+        }
+      }
+    }
+  }
+  return counts;
+}
+
+std::vector<Index> ragged_offsets() { return {0, 3, 3, 10, 11, 25, 40}; }
+
+TEST(Variants, DocumentMaskFollowsItsDefinition) {
+  for (bool causal : {false, true}) {
+    const attn::DocumentMask documents(ragged_offsets(), causal);
+    EXPECT_EQ(documents.total(), 40);
+    EXPECT_EQ(documents.document(0), 0);
+    EXPECT_EQ(documents.document(3), 2);  // document 1 is empty
+    EXPECT_EQ(documents.document(10), 3);
+    EXPECT_EQ(documents.document(39), 5);
+    EXPECT_EQ(documents.document(40), -1);
+    EXPECT_EQ(documents.document(-1), -1);
+    const attn::Mask mask = attn::variant_mask(documents, 44, 44, -2, -2);
+    for (Index i = 0; i < 44; ++i) {
+      for (Index j = 0; j < 44; ++j) {
+        const Index q = i - 2;
+        const Index k = j - 2;
+        const bool inside = q >= 0 && q < 40 && k >= 0 && k < 40;
+        const bool same = inside && documents.document(q) == documents.document(k);
+        EXPECT_EQ(mask(i, j), same && (!causal || k <= q)) << q << ", " << k;
+      }
+    }
+    const TileCounts counts = classify_tiles(documents, -3, 43, "DocumentMask");
+    EXPECT_GT(counts.exact, counts.tiles / 2);  // Partial only where the corners cannot tell
+  }
+}
+
+TEST(Variants, DocumentMaskFromIdsEqualsItsOffsets) {
+  const std::vector<Index> ids = {7, 7, 7, 2, 9, 9, 9, 9, 4};
+  const attn::DocumentMask from_ids = attn::DocumentMask::from_ids(ids, true);
+  const attn::DocumentMask from_offsets({0, 3, 4, 8, 9}, true);
+  EXPECT_TRUE((attn::variant_mask(from_ids, 9, 9) == attn::variant_mask(from_offsets, 9, 9)).all());
+  try {
+    attn::DocumentMask::from_ids({1, 1, 2, 1});
+    ADD_FAILURE() << "a document in two runs was accepted";
+  } catch (const attn::shape_error& e) {
+    EXPECT_NE(std::string(e.what()).find("document 1 appears again at position 3"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(attn::DocumentMask({1, 4}), attn::shape_error);
+  EXPECT_THROW(attn::DocumentMask({}), attn::shape_error);
+  try {
+    attn::DocumentMask({0, 5, 4});
+    ADD_FAILURE() << "decreasing offsets were accepted";
+  } catch (const attn::shape_error& e) {
+    EXPECT_NE(std::string(e.what()).find("offsets[1] = 5 then offsets[2] = 4"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Variants, CausalAndPrefixLmClassifyEveryTileExactly) {
+  const attn::CausalMask causal;
+  const attn::PrefixLM prefix{6};
+  for (Index i = -2; i < 20; ++i) {
+    for (Index j = -2; j < 20; ++j) {
+      ScoreAt at;
+      at.query = i;
+      at.key = j;
+      EXPECT_EQ(attn::variant_allows(causal, at), j <= i);
+      EXPECT_EQ(attn::variant_allows(prefix, at), j < 6 || j <= i);
+    }
+  }
+  // Exact: every tile's classification equals the brute-force one.
+  const TileCounts causal_counts = classify_tiles(causal, -2, 30, "CausalMask");
+  EXPECT_EQ(causal_counts.exact, causal_counts.tiles);
+  const TileCounts prefix_counts = classify_tiles(prefix, -2, 30, "PrefixLM");
+  EXPECT_EQ(prefix_counts.exact, prefix_counts.tiles);
+}
+
+TEST(Variants, DilatedWindowFollowsItsDefinition) {
+  for (Index dilation : {1, 2, 3}) {
+    const attn::DilatedWindow window(4, dilation);
+    const attn::Mask mask = attn::variant_mask(window, 30, 30);
+    for (Index q = 0; q < 30; ++q) {
+      for (Index k = 0; k < 30; ++k) {
+        bool expected = false;
+        for (Index t = 0; t < 4; ++t) expected = expected || k == q - t * dilation;
+        EXPECT_EQ(mask(q, k), expected) << q << ", " << k << ", dilation " << dilation;
+      }
+    }
+    classify_tiles(window, 0, 30, "DilatedWindow");
+  }
+  EXPECT_THROW(attn::DilatedWindow(0), attn::shape_error);
+  EXPECT_THROW(attn::DilatedWindow(3, 0), attn::shape_error);
+}
+
+TEST(Variants, TreeMaskSeesThePrefixAndTheAncestors) {
+  // Prefix of 4 tokens; drafts: 0 and 1 children of the prefix, 2 and 3 children of 0, 4 of 3.
+  const attn::TreeMask tree(4, {-1, -1, 0, 0, 3});
+  const std::vector<std::vector<Index>> ancestors_or_self = {{0}, {1}, {0, 2}, {0, 3}, {0, 3, 4}};
+  const attn::Mask mask = attn::variant_mask(tree, 10, 10);
+  for (Index q = 0; q < 10; ++q) {
+    for (Index k = 0; k < 10; ++k) {
+      bool expected = false;
+      if (q < 9 && k < 9) {
+        if (k < 4) {
+          expected = q >= 4 || k <= q;
+        } else if (q >= 4) {
+          for (Index a : ancestors_or_self[static_cast<std::size_t>(q - 4)]) {
+            expected = expected || k - 4 == a;
+          }
+        }
+      }
+      EXPECT_EQ(mask(q, k), expected) << q << ", " << k;
+    }
+  }
+  EXPECT_EQ(tree.rope_positions(), (std::vector<Index>{4, 4, 5, 5, 6}));
+  classify_tiles(tree, -1, 11, "TreeMask");
+  try {
+    attn::TreeMask(4, {-1, 2, 0});
+    ADD_FAILURE() << "a parent after its child was accepted";
+  } catch (const attn::shape_error& e) {
+    EXPECT_NE(std::string(e.what()).find("parents[1] = 2"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(attn::TreeMask(4, {-2}), attn::shape_error);
+  EXPECT_THROW(attn::TreeMask(-1, {}), attn::shape_error);
+}
+
+TEST(Variants, CompositionAndsAndOrsTheMasksAndKeepsTilesSound) {
+  const attn::DocumentMask documents(ragged_offsets(), true);
+  const attn::DilatedWindow window(5, 2);
+  const attn::PrefixLM prefix{7};
+  const auto both = attn::both(documents, window);
+  const auto either = attn::either(prefix, window);
+  const attn::Mask d = attn::variant_mask(documents, 40, 40);
+  const attn::Mask w = attn::variant_mask(window, 40, 40);
+  const attn::Mask p = attn::variant_mask(prefix, 40, 40);
+  EXPECT_TRUE((attn::variant_mask(both, 40, 40) == (d && w)).all());
+  EXPECT_TRUE((attn::variant_mask(either, 40, 40) == (p || w)).all());
+  classify_tiles(both, 0, 40, "both(documents, window)");
+  classify_tiles(either, 0, 40, "either(prefix, window)");
+  // Random compositions of the ready masks, nested.
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 20; ++trial) {
+    const Index a = std::uniform_int_distribution<Index>(1, 12)(rng);
+    const Index b = std::uniform_int_distribution<Index>(1, 4)(rng);
+    const auto nested =
+        attn::either(attn::both(documents, attn::DilatedWindow(a, b)), attn::PrefixLM{a});
+    classify_tiles(nested, -1, 41, "nested " + std::to_string(trial));
+  }
+}
+
+// The guard the classification tests are for: a variant that calls a Partial tile Full.
+struct OverclaimingDocuments {
+  attn::DocumentMask documents{{0, 5, 12}, true};
+  bool allowed(const ScoreAt& at) const { return attn::variant_allows(documents, at); }
+  TileKind tile(const TileAt& at) const {
+    const TileKind kind = documents.tile(at);
+    return kind == TileKind::Partial ? TileKind::Full : kind;
+  }
+};
+
+TEST(Variants, APartialTileCalledFullIsCaught) {
+  const OverclaimingDocuments wrong;
+  EXPECT_GT(classify_tiles(wrong, 0, 12, "overclaiming", true).wrong, 0);
+  const TileAt tile{0, 1, 0, {4, 7}, {3, 6}};  // crosses the boundary at 5
+  try {
+    attn::check_tile(wrong, tile);
+    ADD_FAILURE() << "check_tile accepted a Partial tile called Full";
+  } catch (const attn::shape_error& e) {
+    EXPECT_NE(std::string(e.what()).find("queries [4, 7) x keys [3, 6) (batch 0, head 1) Full but "
+                                         "its mask makes it Partial"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_NO_THROW(attn::check_tile(attn::DocumentMask({0, 5, 12}, true), tile));
+}
+
+TEST(Variants, TheBatchFormOfAScoreAgreesWithItsScore) {
+  static_assert(attn::detail::callable_scores<attn::Softcap<float>, float>::value);
+  static_assert(!attn::detail::callable_scores<attn::Softcap<float>, double>::value);
+  const attn::Softcap<float> cap{3.0f};
+  const auto chain = attn::both(attn::Softcap<float>{5.0f}, TemplateScore{});
+  std::vector<float> run;
+  for (int i = -40; i < 40; ++i) run.push_back(0.37f * static_cast<float>(i));
+  std::vector<float> chained = run;
+  ScoreAt first;
+  first.key = 7;
+  cap.scores(run.data(), static_cast<Index>(run.size()), first);
+  chain.scores(chained.data(), static_cast<Index>(chained.size()), first);
+  for (std::size_t c = 0; c < run.size(); ++c) {
+    const float s = 0.37f * (static_cast<float>(c) - 40.0f);
+    EXPECT_NEAR(run[c], cap.score(s, first), 4e-6f * 3.0f) << s;
+    EXPECT_NEAR(chained[c], chain.score(s, first), 4e-6f * 5.0f) << s;
+  }
+}
+
+TEST(Variants, ChainedScoresAndTheirDerivative) {
+  const auto chain = attn::both(attn::Softcap<double>{5.0}, attn::Softcap<double>{3.0});
+  const auto plain = attn::both(attn::CausalMask{}, TemplateScore{});
+  const ScoreAt at;
+  for (double s : {-40.0, -2.5, -0.1, 0.0, 0.7, 3.0, 12.0}) {
+    const double inner = 5.0 * std::tanh(s / 5.0);
+    EXPECT_DOUBLE_EQ(chain.score(s, at), 3.0 * std::tanh(inner / 3.0));
+    const double h = 1e-5;
+    const double central = (chain.score(s + h, at) - chain.score(s - h, at)) / (2 * h);
+    EXPECT_NEAR(chain.dscore(s, at), central, 1e-8) << "s = " << s;
+    EXPECT_EQ(plain.score(s, at), s + 1.0);  // (its dscore would not compile: no dscore)
+  }
+  EXPECT_EQ(attn::variant_score(attn::CausalMask{}, 2.5f, at), 2.5f);
+  EXPECT_EQ(attn::variant_dscore(attn::CausalMask{}, 2.5f, at), 1.0f);
+}
+
+// docs/variants.md's example of a variant written by a user, as the page shows it.
+struct SinksAndWindow {
+  attn::Index sinks = 4;
+  attn::Index window = 1024;
+  bool allowed(const attn::ScoreAt& at) const {
+    return at.key <= at.query && (at.key < sinks || at.query - at.key < window);
+  }
+  attn::TileKind tile(const attn::TileAt& at) const {
+    if (at.keys.begin > at.queries.end - 1) return attn::TileKind::Empty;  // all in the future
+    return attn::TileKind::Partial;  // always correct; refine for speed
+  }
+};
+
+TEST(Variants, TheGuidesExampleIsAVariantWithSoundTiles) {
+  static_assert(attn::check_variant<SinksAndWindow, float, true>());
+  const SinksAndWindow streaming{2, 5};
+  const attn::Mask mask = attn::variant_mask(streaming, 12, 12);
+  EXPECT_TRUE(mask(11, 0) && mask(11, 1) && !mask(11, 2) && !mask(11, 6) && mask(11, 7));
+  EXPECT_FALSE(mask(3, 4));
+  classify_tiles(streaming, 0, 20, "SinksAndWindow");
+}
+
+// ---------------------------------------------------------------------------------------------
+// flash_attention with a variant.
+
+/// The log-sum-exp of each row of the reference's logits (-inf for a row that sees nothing).
+attn_test::LMatrix reference_lse(const attn_test::NaiveAttention& r) {
+  attn_test::LMatrix lse(r.logits.rows(), 1);
+  for (Index i = 0; i < r.logits.rows(); ++i) {
+    const long double max = r.logits.row(i).maxCoeff();
+    if (max == -std::numeric_limits<long double>::infinity()) {
+      lse(i, 0) = max;
+      continue;
+    }
+    lse(i, 0) = max + std::log((r.logits.row(i).array() - max).exp().sum());
+  }
+  return lse;
+}
+
+/// flash_attention(Q, K, V, variant, options) with two tile shapes against the reference, the
+/// log-sum-exp too, and attention_with_weights' output and weights; returns the default tiles'
+/// output.
+template <class T, class V>
+attn::Matrix<T> expect_variant_matches(const V& variant, const attn::Matrix<T>& Q,
+                                       const attn::Matrix<T>& K, const attn::Matrix<T>& Vv,
+                                       const attn::AttentionOptions<T>& options,
+                                       const std::string& name) {
+  const attn_test::NaiveAttention want = attn_test::naive_attention(Q, K, Vv, options, variant);
+  const attn_test::LMatrix want_lse = reference_lse(want);
+  attn::Matrix<T> first;
+  for (const attn::FlashTiles tiles : {attn::FlashTiles{}, attn::FlashTiles{5, 16}}) {
+    attn::Vector<T> lse;
+    const attn::Matrix<T> out = attn::flash_attention(Q, K, Vv, variant, options, lse, tiles);
+    EXPECT_TRUE(attn_test::near(out, want.output, attn_test::Tol<T>::rel, attn_test::Tol<T>::abs))
+        << name << ", tiles " << tiles.query_rows << " x " << tiles.key_cols;
+    EXPECT_TRUE(attn_test::near(lse, want_lse, attn_test::Tol<T>::rel, attn_test::Tol<T>::abs))
+        << name << " (log-sum-exp), tiles " << tiles.query_rows << " x " << tiles.key_cols;
+    EXPECT_TRUE(attn_test::identical(attn::flash_attention(Q, K, Vv, variant, options, tiles), out))
+        << name << ": with and without the log-sum-exp";
+    if (first.size() == 0) first = out;
+  }
+  // The materialised tables show the same variant.
+  const attn::Attention<T> tables = attn::attention_with_weights(Q, K, Vv, variant, options);
+  EXPECT_TRUE(
+      attn_test::near(tables.output, want.output, attn_test::Tol<T>::rel, attn_test::Tol<T>::abs))
+      << name << " (attention_with_weights)";
+  EXPECT_TRUE(
+      attn_test::near(tables.weights, want.weights, attn_test::Tol<T>::rel, attn_test::Tol<T>::abs))
+      << name << " (weights)";
+  return first;
+}
+
+template <class T>
+void every_ready_variant_through_flash() {
+  std::mt19937 rng(11);
+  const Index m = 70;
+  const attn::Matrix<T> K = attn_test::random_matrix<T>(m, 16, rng, 2.0);
+  const attn::Matrix<T> V = attn_test::random_matrix<T>(m, 12, rng);
+  std::vector<Index> parents;
+  for (Index i = 0; i < 30; ++i) {
+    parents.push_back(std::uniform_int_distribution<Index>(-1, i - 1)(rng));
+  }
+  // Self-attention (n = m), and a chunk of the last 23 queries (query offset 47).
+  for (const Index n : {m, Index(23)}) {
+    const attn::Matrix<T> Q = attn_test::random_matrix<T>(n, 16, rng, 2.0);
+    attn::AttentionOptions<T> plain;
+    if (n != m) plain.query_offset = m - n;
+    attn::AttentionOptions<T> with_options = plain;
+    with_options.causal = attn::Causal::BottomRight;
+    with_options.alibi_slope = T(0.125);
+    with_options.softcap = T(3);
+    for (const auto& options : {plain, with_options}) {
+      const std::string tag = "n = " + std::to_string(n) + (options.softcap ? ", options" : "");
+      expect_variant_matches(attn::DocumentMask(ragged_offsets(), false), Q, K, V, options,
+                             "documents, " + tag);
+      expect_variant_matches(attn::DocumentMask({0, 16, 17, 50, 70}, true), Q, K, V, options,
+                             "causal documents, " + tag);
+      expect_variant_matches(attn::PrefixLM{13}, Q, K, V, options, "prefix-LM, " + tag);
+      expect_variant_matches(attn::DilatedWindow(5, 3), Q, K, V, options, "dilated, " + tag);
+      expect_variant_matches(attn::TreeMask(40, parents), Q, K, V, options, "tree, " + tag);
+      expect_variant_matches(attn::Softcap<T>{T(4)}, Q, K, V, options, "softcap, " + tag);
+      expect_variant_matches(
+          attn::both(attn::DocumentMask({0, 33, 70}, true), attn::Softcap<T>{T(6)}), Q, K, V,
+          options, "both, " + tag);
+      expect_variant_matches(attn::either(attn::PrefixLM{9}, attn::DilatedWindow(4, 2)), Q, K, V,
+                             options, "either, " + tag);
+    }
+  }
+}
+
+TEST(VariantFlash, EveryReadyVariantMatchesTheReferenceFloat) {
+  every_ready_variant_through_flash<float>();
+}
+TEST(VariantFlash, EveryReadyVariantMatchesTheReferenceDouble) {
+  every_ready_variant_through_flash<double>();
+}
+
+TEST(VariantFlash, AMaskVariantGivesTheResultOfItsTable) {
+  std::mt19937 rng(12);
+  const attn::Matrix<float> Q = attn_test::random_matrix<float>(300, 32, rng);
+  const attn::Matrix<float> K = attn_test::random_matrix<float>(300, 32, rng);
+  const attn::Matrix<float> V = attn_test::random_matrix<float>(300, 32, rng);
+  // A rule per key: the same tiles as the table's, so the same bits.
+  const attn::DilatedWindow window(40, 3);
+  attn::AttentionOptions<float> window_table;
+  window_table.mask = attn::variant_mask(window, 300, 300);
+  // Ranges of keys: the kernel starts each block's tiles at its rows' first key, so the sums
+  // run in another order than over the table.
+  const attn::DocumentMask documents({0, 40, 41, 200, 300}, true);
+  attn::AttentionOptions<float> documents_table;
+  documents_table.mask = attn::variant_mask(documents, 300, 300);
+  for (const attn::FlashTiles tiles : {attn::FlashTiles{}, attn::FlashTiles{7, 32}}) {
+    EXPECT_TRUE(attn_test::identical(attn::flash_attention(Q, K, V, window, {}, tiles),
+                                     attn::flash_attention(Q, K, V, window_table, tiles)));
+    EXPECT_TRUE(attn_test::near(attn::flash_attention(Q, K, V, documents, {}, tiles),
+                                attn::flash_attention(Q, K, V, documents_table, tiles), 1e-5,
+                                1e-6));
+  }
+  // An identity score changes nothing either.
+  struct Identity {
+    float score(float s, const ScoreAt&) const { return s; }
+  };
+  EXPECT_TRUE(attn_test::identical(attn::flash_attention(Q, K, V, Identity{}),
+                                   attn::flash_attention(Q, K, V)));
+}
+
+TEST(VariantFlash, TheCheckingModeNamesATileCalledFullWrongly) {
+  std::mt19937 rng(17);
+  const attn::Matrix<double> Q = attn_test::random_matrix<double>(12, 8, rng);
+  const attn::Matrix<double> K = attn_test::random_matrix<double>(12, 8, rng);
+  const attn::Matrix<double> V = attn_test::random_matrix<double>(12, 8, rng);
+  const OverclaimingDocuments wrong;
+  // Unchecked, the wrong classification drops the mask where it should apply.
+  const attn_test::NaiveAttention want =
+      attn_test::naive_attention(Q, K, V, attn::AttentionOptions<double>{}, wrong.documents);
+  EXPECT_FALSE(attn_test::near(attn::flash_attention(Q, K, V, wrong, {}, attn::FlashTiles{4, 4}),
+                               want.output, 1e-9, 1e-9));
+  try {
+    attn::flash_attention(Q, K, V, attn::checked(wrong), {}, attn::FlashTiles{4, 4});
+    ADD_FAILURE() << "the checking mode let a wrong Full through";
+  } catch (const attn::shape_error& e) {
+    EXPECT_NE(std::string(e.what()).find("Full but its mask makes it Partial"), std::string::npos)
+        << e.what();
+  }
+  // A correct variant passes the check and gives the unchecked bits.
+  EXPECT_TRUE(attn_test::identical(attn::flash_attention(Q, K, V, attn::checked(wrong.documents)),
+                                   attn::flash_attention(Q, K, V, wrong.documents)));
+}
+
+TEST(VariantFlash, RowsThatSeeNothingGiveZeroAndMinusInfinity) {
+  std::mt19937 rng(13);
+  const attn::Matrix<double> Q = attn_test::random_matrix<double>(12, 8, rng);
+  const attn::Matrix<double> K = attn_test::random_matrix<double>(12, 8, rng);
+  const attn::Matrix<double> V = attn_test::random_matrix<double>(12, 8, rng);
+  const attn::TreeMask tree(4, {-1, 0, 0});  // positions 7 .. 11 belong to no token
+  attn::Vector<double> lse;
+  const attn::Matrix<double> out = attn::flash_attention(Q, K, V, tree, {}, lse);
+  for (Index i = 7; i < 12; ++i) {
+    EXPECT_TRUE(out.row(i).isZero(0)) << "row " << i;
+    EXPECT_EQ(lse(i), -std::numeric_limits<double>::infinity()) << "row " << i;
+  }
+  EXPECT_TRUE(out.topRows(7).allFinite());
+}
+
+TEST(VariantFlash, AForbiddenKeysNanNeverReachesARow) {
+  std::mt19937 rng(14);
+  const attn::Matrix<float> Q = attn_test::random_matrix<float>(96, 16, rng);
+  const attn::Matrix<float> K = attn_test::random_matrix<float>(96, 16, rng);
+  attn::Matrix<float> V = attn_test::random_matrix<float>(96, 16, rng);
+  const attn::DocumentMask documents({0, 50, 96}, true);
+  const attn::Matrix<float> clean = attn::flash_attention(Q, K, V, documents);
+  V(49, 3) = std::numeric_limits<float>::quiet_NaN();  // the last key of document 0
+  const attn::Matrix<float> out = attn::flash_attention(Q, K, V, documents);
+  EXPECT_TRUE(out.topRows(49).allFinite());     // queries before key 49 do not see it
+  EXPECT_TRUE(std::isnan(out(49, 3)));          // query 49 does: its NaN stays
+  EXPECT_TRUE(out.bottomRows(46).allFinite());  // document 1 never sees key 49
+  EXPECT_TRUE(attn_test::near(out.bottomRows(46), clean.bottomRows(46), 1e-6, 1e-7));
+}
+
+TEST(VariantFlash, TheThreadCountDoesNotChangeTheBits) {
+  std::mt19937 rng(15);
+  const attn::Matrix<float> Q = attn_test::random_matrix<float>(400, 32, rng);
+  const attn::Matrix<float> K = attn_test::random_matrix<float>(400, 32, rng);
+  const attn::Matrix<float> V = attn_test::random_matrix<float>(400, 32, rng);
+  const auto variant =
+      attn::both(attn::DocumentMask({0, 100, 250, 400}, true), attn::Softcap<float>{5.0f});
+  const int threads = attn::num_threads();
+  attn::set_num_threads(1);
+  const attn::Matrix<float> one = attn::flash_attention(Q, K, V, variant);
+  attn::set_num_threads(2);
+  const attn::Matrix<float> two = attn::flash_attention(Q, K, V, variant);
+  attn::set_num_threads(threads);
+  EXPECT_TRUE(attn_test::identical(one, two));
+}
+
+TEST(VariantFlash, StoredKeysAndValuesTakeTheVariantToo) {
+  std::mt19937 rng(16);
+  const attn::Matrix<float> Q = attn_test::random_matrix<float>(64, 16, rng);
+  const attn::Matrix<float> K = attn_test::random_matrix<float>(64, 16, rng);
+  const attn::Matrix<float> V = attn_test::random_matrix<float>(64, 16, rng);
+  using Half = Eigen::Matrix<Eigen::half, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const Half K16 = K.cast<Eigen::half>();
+  const Half V16 = V.cast<Eigen::half>();
+  const attn::PrefixLM prefix{20};
+  const attn::Matrix<float> widened = attn::flash_attention(
+      Q, attn::Matrix<float>(K16.cast<float>()), attn::Matrix<float>(V16.cast<float>()), prefix);
+  EXPECT_TRUE(attn_test::near(attn::flash_attention(Q, K16, V16, prefix), widened, 1e-5, 1e-6));
+}
+
+}  // namespace variant_test
