@@ -118,6 +118,56 @@ void BM_BackwardNaive(benchmark::State& state) {
       10.0 * c.pairs() * static_cast<double>(c.d));
 }
 
+/// Documents packed into one sequence (`docs` documents of n / docs tokens, causal inside each),
+/// forward and backward (`attention_backward` without the forward's output, so each way runs
+/// its own forward): way 0, one call per document; way 1, the `DocumentMask` variant over the
+/// packed sequence; way 2, the variant without causality beside the option `causal`. FLOP/s: the
+/// useful flops (14 n n d / docs, each document's causal half) over the time. The variants
+/// issue's target: way 1 within 1.15x of way 0.
+///   build/bench/attn_backward_bench --benchmark_filter=BM_DocumentMaskBackward
+void BM_DocumentMaskBackward(benchmark::State& state) {
+  const Index n = state.range(0);
+  const Index docs = state.range(1);
+  const Index d = state.range(2);
+  const Index way = state.range(3);
+  const Index length = n / docs;
+  const attn::Matrix<float> Q = attn_bench::random_matrix<float>(n, d, 1);
+  const attn::Matrix<float> K = attn_bench::random_matrix<float>(n, d, 2);
+  const attn::Matrix<float> V = attn_bench::random_matrix<float>(n, d, 3);
+  const attn::Matrix<float> dO = attn_bench::random_matrix<float>(n, d, 4);
+  std::vector<Index> offsets;
+  for (Index doc = 0; doc <= docs; ++doc) offsets.push_back(doc * length);
+  const attn::DocumentMask causal_documents(offsets, true);
+  const attn::DocumentMask documents(offsets, false);
+  attn::AttentionOptions<float> causal;
+  causal.causal = attn::Causal::BottomRight;
+  std::vector<attn::AttentionGrads<float>> grads(static_cast<std::size_t>(docs));
+  attn::AttentionGrads<float> packed;
+  const double pairs = static_cast<double>(docs) * 0.5 * static_cast<double>(length * length);
+  time_calls(
+      state,
+      [&] {
+        if (way == 0) {
+          for (Index doc = 0; doc < docs; ++doc) {
+            const Index at = doc * length;
+            attn::attention_backward(Q.middleRows(at, length), K.middleRows(at, length),
+                                     V.middleRows(at, length), dO.middleRows(at, length), causal,
+                                     grads[static_cast<std::size_t>(doc)]);
+          }
+        } else if (way == 1) {
+          attn::attention_backward(Q, K, V, dO, causal_documents, {}, packed);
+        } else {
+          attn::attention_backward(Q, K, V, dO, documents, causal, packed);
+        }
+        benchmark::DoNotOptimize(packed.dQ.data());
+      },
+      14.0 * pairs * static_cast<double>(d));
+}
+BENCHMARK(BM_DocumentMaskBackward)
+    ->ArgsProduct({{4096}, {8}, {64}, {0, 1, 2}})
+    ->ArgNames({"n", "docs", "d", "way"})
+    ->UseRealTime();
+
 const std::vector<int64_t> kSizes = {512, 1024, 2048, 4096};
 
 BENCHMARK(BM_Forward<float>)

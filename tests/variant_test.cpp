@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <attn/attention.hpp>
+#include <attn/backward.hpp>
 #include <attn/flash.hpp>
 #include <attn/threads.hpp>
 #include <attn/variant.hpp>
@@ -41,6 +42,7 @@ static_assert(attn::variant_ranges_v<attn::CausalMask> && !attn::variant_ranges_
 // Ranges on both sides stay a range; a rule on either side makes a rule.
 static_assert(attn::variant_ranges_v<attn::Both<attn::DocumentMask, attn::PrefixLM>>);
 static_assert(!attn::variant_ranges_v<attn::Both<attn::DocumentMask, attn::DilatedWindow>>);
+static_assert(attn::variant_ranges_v<attn::Both<attn::DocumentMask, attn::Softcap<float>>>);
 static_assert(!attn::variant_scores_v<attn::CausalMask>);
 static_assert(attn::variant_scores_v<attn::Softcap<float>> &&
               !attn::variant_masks_v<attn::Softcap<float>>);
@@ -524,6 +526,143 @@ TEST(VariantFlash, StoredKeysAndValuesTakeTheVariantToo) {
   const attn::Matrix<float> widened = attn::flash_attention(
       Q, attn::Matrix<float>(K16.cast<float>()), attn::Matrix<float>(V16.cast<float>()), prefix);
   EXPECT_TRUE(attn_test::near(attn::flash_attention(Q, K16, V16, prefix), widened, 1e-5, 1e-6));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The backward with a variant.
+
+/// A position-dependent score: s + 0.1 (query - key) + 0.05 s^2 / (1 + s^2), with its derivative.
+struct BumpyBias {
+  template <class T>
+  T score(T s, const ScoreAt& at) const {
+    return s + T(0.1) * static_cast<T>(at.query - at.key) + T(0.05) * s * s / (T(1) + s * s);
+  }
+  template <class T>
+  T dscore(T s, const ScoreAt&) const {
+    const T q = T(1) + s * s;
+    return T(1) + T(0.1) * s / (q * q);
+  }
+};
+
+/// L = sum(dO o O) by the long-double reference, as a function of Q, K and V.
+template <class V>
+long double reference_loss(const attn::Matrix<double>& Q, const attn::Matrix<double>& K,
+                           const attn::Matrix<double>& Vv, const attn::Matrix<double>& dO,
+                           const attn::AttentionOptions<double>& options, const V& variant) {
+  const attn_test::NaiveAttention r = attn_test::naive_attention(Q, K, Vv, options, variant);
+  return (r.output.array() * dO.cast<long double>().array()).sum();
+}
+
+/// Central differences of the reference loss in every entry of `X` (one of Q, K, V).
+template <class Loss>
+attn::Matrix<double> central_differences(attn::Matrix<double> X, const Loss& loss) {
+  attn::Matrix<double> g(X.rows(), X.cols());
+  const double h = 1e-5;
+  for (Index i = 0; i < X.rows(); ++i) {
+    for (Index j = 0; j < X.cols(); ++j) {
+      const double x = X(i, j);
+      X(i, j) = x + h;
+      const long double up = loss(X);
+      X(i, j) = x - h;
+      const long double down = loss(X);
+      X(i, j) = x;
+      g(i, j) = static_cast<double>((up - down) / (2.0L * static_cast<long double>(h)));
+    }
+  }
+  return g;
+}
+
+template <class V>
+void expect_gradients_match(const V& variant, Index n,
+                            const attn::AttentionOptions<double>& options,
+                            const std::string& name) {
+  std::mt19937 rng(21);
+  const attn::Matrix<double> Q = attn_test::random_matrix<double>(n, 4, rng);
+  const attn::Matrix<double> K = attn_test::random_matrix<double>(n, 4, rng);
+  const attn::Matrix<double> Vv = attn_test::random_matrix<double>(n, 3, rng);
+  const attn::Matrix<double> dO = attn_test::random_matrix<double>(n, 3, rng);
+  const auto dQ = central_differences(Q, [&](const attn::Matrix<double>& X) {
+    return reference_loss(X, K, Vv, dO, options, variant);
+  });
+  const auto dK = central_differences(K, [&](const attn::Matrix<double>& X) {
+    return reference_loss(Q, X, Vv, dO, options, variant);
+  });
+  const auto dV = central_differences(Vv, [&](const attn::Matrix<double>& X) {
+    return reference_loss(Q, K, X, dO, options, variant);
+  });
+  const attn::AttentionGrads<double> grads =
+      attn::attention_backward(Q, K, Vv, dO, variant, options);
+  const attn::AttentionGrads<double> tiled =
+      attn::flash_attention_backward(Q, K, Vv, dO, variant, options, attn::BackwardTiles{3, 8});
+  for (const auto* g : {&grads, &tiled}) {
+    const std::string path = g == &grads ? "attention_backward" : "flash_attention_backward";
+    EXPECT_TRUE(attn_test::near(g->dQ, dQ, 1e-6, 1e-8)) << name << ", dQ, " << path;
+    EXPECT_TRUE(attn_test::near(g->dK, dK, 1e-6, 1e-8)) << name << ", dK, " << path;
+    EXPECT_TRUE(attn_test::near(g->dV, dV, 1e-6, 1e-8)) << name << ", dV, " << path;
+  }
+}
+
+TEST(VariantBackward, GradientsMatchCentralDifferences) {
+  attn::AttentionOptions<double> plain;
+  attn::AttentionOptions<double> options;
+  options.softcap = 2.0;
+  options.alibi_slope = 0.25;
+  std::mt19937 rng(22);
+  std::vector<Index> parents;
+  for (Index i = 0; i < 8; ++i)
+    parents.push_back(std::uniform_int_distribution<Index>(-1, i - 1)(rng));
+  for (const auto& o : {plain, options}) {
+    const std::string tag = o.softcap ? " with options" : "";
+    expect_gradients_match(
+        attn::both(attn::DocumentMask({0, 5, 6, 14}, true), attn::Softcap<double>{2.5}), 14, o,
+        "documents + softcap" + tag);
+    expect_gradients_match(attn::both(attn::PrefixLM{4}, BumpyBias{}), 14, o,
+                           "prefix + bias" + tag);
+    expect_gradients_match(attn::TreeMask(6, parents), 14, o, "tree" + tag);
+    expect_gradients_match(attn::both(attn::DilatedWindow(3, 2), BumpyBias{}), 14, o,
+                           "dilated + bias" + tag);
+  }
+}
+
+TEST(VariantBackward, ForbiddenKeysGetExactlyZero) {
+  std::mt19937 rng(23);
+  const attn::Matrix<double> Q = attn_test::random_matrix<double>(12, 6, rng);
+  const attn::Matrix<double> K = attn_test::random_matrix<double>(12, 6, rng);
+  const attn::Matrix<double> V = attn_test::random_matrix<double>(12, 5, rng);
+  const attn::Matrix<double> dO = attn_test::random_matrix<double>(12, 5, rng);
+  const attn::TreeMask tree(4, {-1, 0, 0});  // positions 7 .. 11 belong to no token
+  for (const auto& grads : {attn::attention_backward(Q, K, V, dO, tree),
+                            attn::flash_attention_backward(Q, K, V, dO, tree, {}, {4, 4})}) {
+    EXPECT_TRUE(grads.dQ.bottomRows(5).isZero(0));
+    EXPECT_TRUE(grads.dK.bottomRows(5).isZero(0));
+    EXPECT_TRUE(grads.dV.bottomRows(5).isZero(0));
+    EXPECT_TRUE(grads.dQ.allFinite() && grads.dK.allFinite() && grads.dV.allFinite());
+  }
+  // A NaN in a key's value that no query may see stays out of every gradient.
+  attn::Matrix<double> V_nan = V;
+  V_nan(9, 2) = std::numeric_limits<double>::quiet_NaN();
+  const attn::AttentionGrads<double> grads = attn::attention_backward(Q, K, V_nan, dO, tree);
+  EXPECT_TRUE(grads.dQ.allFinite() && grads.dK.allFinite());
+  EXPECT_TRUE(grads.dV.topRows(7).allFinite());
+}
+
+TEST(VariantBackward, TheThreadCountDoesNotChangeTheBits) {
+  std::mt19937 rng(24);
+  const attn::Matrix<float> Q = attn_test::random_matrix<float>(300, 32, rng);
+  const attn::Matrix<float> K = attn_test::random_matrix<float>(300, 32, rng);
+  const attn::Matrix<float> V = attn_test::random_matrix<float>(300, 32, rng);
+  const attn::Matrix<float> dO = attn_test::random_matrix<float>(300, 32, rng);
+  const auto variant =
+      attn::both(attn::DocumentMask({0, 100, 250, 300}, true), attn::Softcap<float>{5.0f});
+  const int threads = attn::num_threads();
+  attn::set_num_threads(1);
+  const attn::AttentionGrads<float> one = attn::attention_backward(Q, K, V, dO, variant);
+  attn::set_num_threads(2);
+  const attn::AttentionGrads<float> two = attn::attention_backward(Q, K, V, dO, variant);
+  attn::set_num_threads(threads);
+  EXPECT_TRUE(attn_test::identical(one.dQ, two.dQ));
+  EXPECT_TRUE(attn_test::identical(one.dK, two.dK));
+  EXPECT_TRUE(attn_test::identical(one.dV, two.dV));
 }
 
 }  // namespace variant_test

@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "attention.hpp"
 #include "detail/backward_kernels.hpp"
@@ -24,6 +25,7 @@
 #include "error.hpp"
 #include "flash.hpp"
 #include "types.hpp"
+#include "variant.hpp"
 
 namespace attn {
 
@@ -187,6 +189,81 @@ AttentionGrads<typename DQ::Scalar> flash_attention_backward(
   const detail::ScoreRule<T> rule = detail::make_rule(options, Q.rows(), K.rows(), Q.cols());
   AttentionGrads<T> grads;
   detail::forward_and_backward<T>(Q, K, V, dO, rule, detail::Path::Tiled, tiles, grads);
+  return grads;
+}
+
+/// Gradients of attention with a variant (variant.hpp), into caller storage: the forward (the
+/// tiled kernel, keeping its output and log-sum-exp), then the backward with the variant's score
+/// (through its `dscore`) and mask, on the path `attention_backward` takes. A key the variant
+/// forbids gets exactly zero gradient from the queries it is forbidden to; the bits do not depend
+/// on the thread count.
+/// \param Q        n x d_k queries
+/// \param K        m x d_k keys
+/// \param V        m x d_v values
+/// \param dO       n x d_v gradient of the loss with respect to the output
+/// \param variant  a variant (`is_variant_v`) with `dscore` wherever it has `score`
+/// \param options  every `AttentionOptions` field
+/// \param grads    see `attention_backward`; resized, storage reused
+/// \throws shape_error on mismatched shapes or invalid options.
+template <class DQ, class DK, class DV, class DG, class Variant,
+          std::enable_if_t<is_variant_v<Variant>, int> = 0>
+void attention_backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                        const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dO,
+                        const Variant& variant,
+                        const AttentionOptions<typename DQ::Scalar>& options,
+                        AttentionGrads<typename DQ::Scalar>& grads) {
+  using T = typename DQ::Scalar;
+  check_variant<Variant, T, true>();
+  detail::check_backward("attention_backward", Q, K, V, dO, options);
+  const detail::ScoreRule<T> rule = detail::make_rule(options, Q.rows(), K.rows(), Q.cols());
+  detail::forward_and_backward<T>(Q, K, V, dO, rule,
+                                  detail::backward_path(rule, Q.cols(), V.cols()), BackwardTiles{},
+                                  grads, detail::BoundVariant<Variant>{&variant});
+}
+
+/// Gradients of attention with a variant (see the overload writing into caller storage).
+/// \param Q        n x d_k queries
+/// \param K        m x d_k keys
+/// \param V        m x d_v values
+/// \param dO       n x d_v gradient of the loss with respect to the output
+/// \param variant  a variant (`is_variant_v`) with `dscore` wherever it has `score`
+/// \param options  every `AttentionOptions` field
+/// \returns `{dQ, dK, dV, dbias, dsink}` (see `attention_backward`)
+template <class DQ, class DK, class DV, class DG, class Variant,
+          std::enable_if_t<is_variant_v<Variant>, int> = 0>
+AttentionGrads<typename DQ::Scalar> attention_backward(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DG>& dO, const Variant& variant,
+    const AttentionOptions<typename DQ::Scalar>& options = {}) {
+  AttentionGrads<typename DQ::Scalar> grads;
+  attention_backward(Q, K, V, dO, variant, options, grads);
+  return grads;
+}
+
+/// The tiled backward with a variant at any size, with chosen tiles (see `attention_backward`
+/// with a variant and `flash_attention_backward`).
+/// \param Q        n x d_k queries
+/// \param K        m x d_k keys
+/// \param V        m x d_v values
+/// \param dO       n x d_v gradient of the loss with respect to the output
+/// \param variant  a variant (`is_variant_v`) with `dscore` wherever it has `score`
+/// \param options  every `AttentionOptions` field
+/// \param tiles    query rows and key columns per tile (each at least 1)
+/// \returns `{dQ, dK, dV, dbias, dsink}`
+template <class DQ, class DK, class DV, class DG, class Variant,
+          std::enable_if_t<is_variant_v<Variant>, int> = 0>
+AttentionGrads<typename DQ::Scalar> flash_attention_backward(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DG>& dO, const Variant& variant,
+    const AttentionOptions<typename DQ::Scalar>& options = {}, const BackwardTiles& tiles = {}) {
+  using T = typename DQ::Scalar;
+  check_variant<Variant, T, true>();
+  detail::check_backward("flash_attention_backward", Q, K, V, dO, options);
+  detail::require_tiles("flash_attention_backward", tiles);
+  const detail::ScoreRule<T> rule = detail::make_rule(options, Q.rows(), K.rows(), Q.cols());
+  AttentionGrads<T> grads;
+  detail::forward_and_backward<T>(Q, K, V, dO, rule, detail::Path::Tiled, tiles, grads,
+                                  detail::BoundVariant<Variant>{&variant});
   return grads;
 }
 

@@ -480,17 +480,31 @@ struct BothScores<A, B, true> {
   }
 };
 
-}  // namespace detail
+/// The keys a side of `Both` allows a query: its range, or every key for a side without a mask.
+template <class V>
+PositionRange side_keys(const V& variant, const ScoreAt& query) {
+  if constexpr (variant_ranges_v<V>) {
+    return variant.keys(query);
+  } else {
+    static_cast<void>(variant);
+    static_cast<void>(query);
+    return {std::numeric_limits<Index>::min(), std::numeric_limits<Index>::max()};
+  }
+}
 
-namespace detail {
+/// Whether `Both` of A and B gives its mask as ranges: each side gives ranges or has no mask, and
+/// one of them has a mask.
+template <class A, class B>
+inline constexpr bool both_ranges_v = (variant_ranges_v<A> || !variant_masks_v<A>)&&(
+    variant_ranges_v<B> || !variant_masks_v<B>)&&(variant_masks_v<A> || variant_masks_v<B>);
 
-/// The mask part of `Both`: the intersection of the ranges when both sides give ranges, else a
-/// rule per key.
-template <class A, class B, bool ranges = variant_ranges_v<A>&& variant_ranges_v<B>>
+/// The mask part of `Both`: the intersection of the ranges when both sides give ranges (or no
+/// mask), else a rule per key.
+template <class A, class B, bool ranges = both_ranges_v<A, B>>
 struct BothMask : BothScores<A, B> {
   /// Both sides allow the key.
   /// \param at  the query and the key
-  /// \returns true if the query may attend the key
+  /// \returns true if both sides allow it
   bool allowed(const ScoreAt& at) const {
     return variant_allows(this->first, at) && variant_allows(this->second, at);
   }
@@ -499,10 +513,10 @@ template <class A, class B>
 struct BothMask<A, B, true> : BothScores<A, B> {
   /// The intersection of both sides' ranges.
   /// \param query  the query (`key` unused)
-  /// \returns the keys it may see
+  /// \returns the keys both sides allow it
   PositionRange keys(const ScoreAt& query) const {
-    const PositionRange a = this->first.keys(query);
-    const PositionRange b = this->second.keys(query);
+    const PositionRange a = side_keys(this->first, query);
+    const PositionRange b = side_keys(this->second, query);
     return {std::max(a.begin, b.begin), std::min(a.end, b.end)};
   }
 };

@@ -40,13 +40,15 @@ Path backward_path(const ScoreRule<T>& rule, Index d_k, Index d_v) {
   return choose_path(rule, d_k, d_v, false) == Path::Tiled ? Path::Tiled : Path::Materialised;
 }
 
-/// The forward on `path`, keeping the output O (n x d_v) and each row's log-sum-exp (n).
-template <class T>
+/// The forward on `path`, keeping the output O (n x d_v) and each row's log-sum-exp (n). With a
+/// variant, the tiled kernel on either path (the one that takes variants).
+template <class T, class Variant = NoVariant>
 void forward_for_backward(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, const ScoreRule<T>& rule,
-                          Path path, Eigen::Ref<Matrix<T>> O, Vector<T>& lse) {
+                          Path path, Eigen::Ref<Matrix<T>> O, Vector<T>& lse,
+                          const BoundVariant<Variant>& variant = {}) {
   lse.resize(Q.rows());
-  if (path == Path::Tiled) {
-    flash_kernel<T>(Q, K, V, rule, FlashTiles{}, O, lse.data());
+  if (path == Path::Tiled || is_variant_v<Variant>) {
+    flash_kernel_on<T>(Q, K, V, rule, FlashTiles{}, O, lse.data(), variant);
   } else {
     struct ForwardWeights {};  // this thread's n x m table, reused between calls
     materialised_kernel<T>(Q, K, V, rule, thread_buffer<ForwardWeights, Matrix<T>>(), O,
@@ -60,11 +62,12 @@ struct BackwardScratch {
   Matrix<T> P;   ///< rows x cols: logits, then probabilities
   Matrix<T> dS;  ///< rows x cols: dP, then dS
   Matrix<T> G;   ///< rows x cols: the softcap's derivative 1 - tanh^2(s / c)
+  Matrix<T> Gv;  ///< rows x cols: a variant's d score / d s
 };
 
 /// The inputs of a backward every step reads: the forward's operands, its log-sum-exp, dO and
-/// D = rowsum(dO o O).
-template <class T>
+/// D = rowsum(dO o O), the rule and the variant (none by default).
+template <class T, class Variant = NoVariant>
 struct BackwardInputs {
   ConstRef<T> Q;
   ConstRef<T> K;
@@ -73,6 +76,7 @@ struct BackwardInputs {
   const Vector<T>& lse;
   const Vector<T>& D;
   const ScoreRule<T>& rule;
+  BoundVariant<Variant> variant = {};
 };
 
 /// K and V packed once per call into the score kernel's panels (for S = Q K^T and dP = dO V^T),
@@ -92,12 +96,14 @@ struct PackedOperands {
 /// tiles (the buffers are then padded to whole panels); without, in Eigen's GEMM.
 ///
 /// Passes:
-///   1. s = scale Q_i K_j^T; softcap t = c tanh(s / c) with G = 1 - (t / c)^2; the score rule's
-///      tables and key ranges where they change anything (forbidden entries -> -inf).
+///   1. s = scale Q_i K_j^T; a variant's score v(s) with Gv = v'(s); softcap t = c tanh(s / c)
+///      with G = 1 - (t / c)^2; the score rule's tables and key ranges where they change anything
+///      and the variant's mask (forbidden entries -> -inf).
 ///   2. P = exp(z - lse_i) (exactly 0 where forbidden; a row with lse = -inf sees nothing: zeros).
-///   3. dP = dO_i V_j^T; dZ = P o (dP - D_i), exactly 0 where P is 0 (no 0 * NaN); dS = dZ o G.
-template <class T>
-void backward_tile(const BackwardInputs<T>& in, const PackedOperands<T>& packed, Index i0,
+///   3. dP = dO_i V_j^T; dZ = P o (dP - D_i), exactly 0 where P is 0 (no 0 * NaN);
+///      dS = dZ o G o Gv, exactly 0 where dZ is.
+template <class T, class Variant = NoVariant>
+void backward_tile(const BackwardInputs<T, Variant>& in, const PackedOperands<T>& packed, Index i0,
                    Index rows, Index j0, Index cols, BackwardScratch<T>& scratch, T* dbias,
                    Index dbias_stride) {
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
@@ -124,8 +130,19 @@ void backward_tile(const BackwardInputs<T>& in, const PackedOperands<T>& packed,
     }
   };
 
-  // 1. Logits by the score rule.
+  // 1. Logits by the variant's score and the score rule.
   products(in.Q, packed.K, in.K, rule.scale, P);
+  if constexpr (variant_scores_v<Variant>) {
+    scratch.Gv.resize(rows, cols);
+    for (Index r = 0; r < rows; ++r) {
+      const Index query = rule.q_position + i0 + r;
+      for (Index c = 0; c < cols; ++c) {
+        scratch.Gv(r, c) =
+            in.variant.variant->dscore(P(r, c), in.variant.at(query, rule.k_position + j0 + c));
+      }
+    }
+    variant_scores<T>(in.variant, rule, P.data(), P.outerStride(), i0, rows, j0, cols);
+  }
   if (rule.softcap) {
     const T c = *rule.softcap;
     P = c * (P.array() * (T(1) / c)).tanh();
@@ -136,6 +153,14 @@ void backward_tile(const BackwardInputs<T>& in, const PackedOperands<T>& packed,
   const KeyRange last_row = rule.keys(i0 + rows - 1);
   const bool inside = last_row.begin <= j0 && first_row.end >= j0 + cols;
   if (rule.has_tables() || !inside) rule.apply_tables(P, i0, j0);
+  if constexpr (variant_masks_v<Variant>) {
+    const TileKind kind = classify_tile(
+        *in.variant.variant, in.variant.tile(rule.q_position + i0, rule.q_position + i0 + rows,
+                                             rule.k_position + j0, rule.k_position + j0 + cols));
+    if (kind != TileKind::Full) {
+      variant_mask_tile<T>(in.variant, rule, P.data(), P.outerStride(), i0, rows, j0, cols);
+    }
+  }
 
   // 2. Probabilities from the log-sum-exp.
   for (Index r = 0; r < rows; ++r) {
@@ -157,32 +182,47 @@ void backward_tile(const BackwardInputs<T>& in, const PackedOperands<T>& packed,
     if (dbias) std::copy(ds, ds + cols, dbias + (i0 + r) * dbias_stride + j0);
   }
   if (rule.softcap) dS.array() *= scratch.G.array();
+  if constexpr (variant_scores_v<Variant>) {
+    for (Index r = 0; r < rows; ++r) {
+      T* ds = dS.data() + r * dS.outerStride();
+      for (Index c = 0; c < cols; ++c) {
+        if (ds[c] != T(0)) ds[c] *= scratch.Gv(r, c);
+      }
+    }
+  }
 }
 
 /// The naive twin of one entry: whether query i may attend key j, and then p_ij and the unscaled
-/// dS_ij, from the score rule's `logit` and dot products.
-template <class T>
-bool exact_entry(const BackwardInputs<T>& in, Index i, Index j, T& p, T& ds) {
+/// dS_ij, from the score rule's `logit` (and the variant's) and dot products.
+template <class T, class Variant>
+bool exact_entry(const BackwardInputs<T, Variant>& in, Index i, Index j, T& p, T& ds) {
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
   const ScoreRule<T>& rule = in.rule;
   const T scaled = rule.scale * in.Q.row(i).dot(in.K.row(j));
-  const T z = rule.logit(scaled, i, j);
+  const T z = variant_logit(rule, in.variant, scaled, i, j);
   if (z == neg_inf) return false;
   p = in.lse(i) == neg_inf ? T(0) : std::exp(z - in.lse(i));
   const T dz = p == T(0) ? T(0) : p * (in.dO.row(i).dot(in.V.row(j)) - in.D(i));
-  if (rule.softcap) {
-    const T t = std::tanh(scaled / *rule.softcap);
-    ds = dz * (T(1) - t * t);
-  } else {
-    ds = dz;
+  T modified = scaled;  // the softcap's input: the variant's score of the scaled score
+  T dvariant = T(1);
+  if constexpr (variant_scores_v<Variant>) {
+    const ScoreAt at = in.variant.at(rule.q_position + i, rule.k_position + j);
+    modified = in.variant.variant->score(scaled, at);
+    dvariant = in.variant.variant->dscore(scaled, at);
   }
+  ds = dz;
+  if (rule.softcap) {
+    const T t = std::tanh(modified / *rule.softcap);
+    ds *= T(1) - t * t;
+  }
+  if (ds != T(0)) ds *= dvariant;
   return true;
 }
 
 /// Recomputes, entry by entry and skipping every forbidden pair, each row of dQ, dK and dV that is
 /// not finite. A NaN the row really uses stays NaN.
-template <class T>
-void repair_gradients(const BackwardInputs<T>& in, AttentionGrads<T>& grads) {
+template <class T, class Variant>
+void repair_gradients(const BackwardInputs<T, Variant>& in, AttentionGrads<T>& grads) {
   const Index n = in.Q.rows();
   const Index m = in.K.rows();
   const T scale = in.rule.scale;
@@ -216,8 +256,8 @@ void repair_gradients(const BackwardInputs<T>& in, AttentionGrads<T>& grads) {
 /// The materialised backward: the n x m tables P and dS in blocks of query rows (in parallel),
 /// dQ of each block at once, then dV = P^T dO and dK = scale dS^T Q by blocks of key rows (in
 /// parallel). Shape contract as `backward_kernel`.
-template <class T>
-void materialised_backward(const BackwardInputs<T>& in, Matrix<T>& P, Matrix<T>& dS,
+template <class T, class Variant>
+void materialised_backward(const BackwardInputs<T, Variant>& in, Matrix<T>& P, Matrix<T>& dS,
                            AttentionGrads<T>& grads) {
   const Index n = in.Q.rows();
   const Index m = in.K.rows();
@@ -273,8 +313,8 @@ inline KeyParts key_parts(Index m, Index key_cols) {
 /// `packed_K` and `packed_V` have room for K and V in panels (`whole_panels(m) d_k` and
 /// `whole_panels(m) d_v`), which each part fills with its own keys' panels, on the thread that
 /// reads them; key blocks are whole panels.
-template <class T>
-void tiled_backward(const BackwardInputs<T>& in, T* packed_K, T* packed_V,
+template <class T, class Variant>
+void tiled_backward(const BackwardInputs<T, Variant>& in, T* packed_K, T* packed_V,
                     const BackwardTiles& tiles, std::vector<Matrix<T>>& partial,
                     AttentionGrads<T>& grads) {
   const Index n = in.Q.rows();
@@ -291,7 +331,16 @@ void tiled_backward(const BackwardInputs<T>& in, T* packed_K, T* packed_V,
   T* dbias = grads.dbias.size() ? grads.dbias.data() : nullptr;
   const auto sees = [&](Index i0, Index rows, Index j0, Index cols) {
     const KeyRange range = rule.keys(i0, rows);
-    return range.end > j0 && range.begin < j0 + cols && !rule.masked_out(i0, rows, j0, cols);
+    if (range.end <= j0 || range.begin >= j0 + cols || rule.masked_out(i0, rows, j0, cols)) {
+      return false;
+    }
+    if constexpr (variant_masks_v<Variant>) {
+      return classify_tile(*in.variant.variant,
+                           in.variant.tile(rule.q_position + i0, rule.q_position + i0 + rows,
+                                           rule.k_position + j0, rule.k_position + j0 + cols)) !=
+             TileKind::Empty;
+    }
+    return true;
   };
   // The five products of the backward: 2 n m (3 d_k + 2 d_v) flops.
   const double flops = 2.0 * double(n) * double(m) * double(3 * d_k + 2 * d_v);
@@ -380,10 +429,11 @@ struct BackwardBuffers {
 /// The backward of one attention call on `path`, from the forward's output O and log-sum-exp.
 /// Shape contract: Q n x d_k, K m x d_k, V m x d_v, O and dO n x d_v, lse n; grads resized to dQ
 /// n x d_k, dK m x d_k, dV m x d_v, dbias n x m (when the rule has a bias, else empty), dsink.
-template <class T>
+template <class T, class Variant = NoVariant>
 void backward_kernel(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, ConstRef<T> O,
                      const Vector<T>& lse, ConstRef<T> dO, const ScoreRule<T>& rule, Path path,
-                     const BackwardTiles& tiles, AttentionGrads<T>& grads) {
+                     const BackwardTiles& tiles, AttentionGrads<T>& grads,
+                     const BoundVariant<Variant>& variant = {}) {
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
   const Index n = Q.rows();
   const Index m = K.rows();
@@ -399,7 +449,7 @@ void backward_kernel(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, ConstRef<T> O,
   grads.dsink = T(0);
   // D_i = rowsum(dO o O)_i = sum_j P_ij dP_ij (O_i = sum_j P_ij V_j).
   store.D = (dO.array() * O.array()).rowwise().sum();
-  const BackwardInputs<T> in{Q, K, V, dO, lse, store.D, rule};
+  const BackwardInputs<T, Variant> in{Q, K, V, dO, lse, store.D, rule, variant};
   if (n == 0 || m == 0) {
     grads.dQ.setZero();
     grads.dK.setZero();
@@ -423,14 +473,14 @@ void backward_kernel(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, ConstRef<T> O,
 }
 
 /// The forward on `path` (its output and log-sum-exp kept), then the backward on the same path.
-template <class T>
+template <class T, class Variant = NoVariant>
 void forward_and_backward(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, ConstRef<T> dO,
                           const ScoreRule<T>& rule, Path path, const BackwardTiles& tiles,
-                          AttentionGrads<T>& grads) {
+                          AttentionGrads<T>& grads, const BoundVariant<Variant>& variant = {}) {
   Matrix<T> O(Q.rows(), V.cols());
   Vector<T> lse(Q.rows());
-  forward_for_backward<T>(Q, K, V, rule, path, O, lse);
-  backward_kernel<T>(Q, K, V, O, lse, dO, rule, path, tiles, grads);
+  forward_for_backward<T>(Q, K, V, rule, path, O, lse, variant);
+  backward_kernel<T>(Q, K, V, O, lse, dO, rule, path, tiles, grads, variant);
 }
 
 }  // namespace detail
