@@ -553,23 +553,29 @@ long double reference_loss(const attn::Matrix<double>& Q, const attn::Matrix<dou
   return (r.output.array() * dO.cast<long double>().array()).sum();
 }
 
-/// Central differences of the reference loss in every entry of `X` (one of Q, K, V).
+/// Central differences of `loss()` in every entry of `X`, which it perturbs in place and restores.
 template <class Loss>
-attn::Matrix<double> central_differences(attn::Matrix<double> X, const Loss& loss) {
+attn::Matrix<double> central_differences_in_place(attn::Matrix<double>& X, const Loss& loss) {
   attn::Matrix<double> g(X.rows(), X.cols());
   const double h = 1e-5;
   for (Index i = 0; i < X.rows(); ++i) {
     for (Index j = 0; j < X.cols(); ++j) {
       const double x = X(i, j);
       X(i, j) = x + h;
-      const long double up = loss(X);
+      const long double up = loss();
       X(i, j) = x - h;
-      const long double down = loss(X);
+      const long double down = loss();
       X(i, j) = x;
       g(i, j) = static_cast<double>((up - down) / (2.0L * static_cast<long double>(h)));
     }
   }
   return g;
+}
+
+/// Central differences of the reference loss in every entry of `X` (one of Q, K, V).
+template <class Loss>
+attn::Matrix<double> central_differences(attn::Matrix<double> X, const Loss& loss) {
+  return central_differences_in_place(X, [&] { return loss(X); });
 }
 
 template <class V>
@@ -663,6 +669,127 @@ TEST(VariantBackward, TheThreadCountDoesNotChangeTheBits) {
   EXPECT_TRUE(attn_test::identical(one.dQ, two.dQ));
   EXPECT_TRUE(attn_test::identical(one.dK, two.dK));
   EXPECT_TRUE(attn_test::identical(one.dV, two.dV));
+}
+
+// ---------------------------------------------------------------------------------------------
+// T5's relative position bias, a variant with learnable parameters.
+
+/// T5's bucket of `relative = key - query`, transcribed from the paper's definition (Raffel et al.
+/// 2020, the Mesh TensorFlow function): independent of attn's table.
+Index t5_bucket(Index relative, bool bidirectional, Index buckets, Index max_distance) {
+  Index bucket = 0;
+  Index n = -relative;
+  if (bidirectional) {
+    buckets /= 2;
+    if (n < 0) bucket += buckets;
+    n = std::abs(n);
+  } else {
+    n = std::max<Index>(n, 0);
+  }
+  const Index max_exact = buckets / 2;
+  if (n < max_exact) return bucket + n;
+  const double large =
+      static_cast<double>(max_exact) +
+      std::log(static_cast<double>(n) / static_cast<double>(max_exact)) /
+          std::log(static_cast<double>(max_distance) / static_cast<double>(max_exact)) *
+          static_cast<double>(buckets - max_exact);
+  return bucket + std::min(static_cast<Index>(large), buckets - 1);
+}
+
+TEST(T5Bias, BucketsAsInTheT5Paper) {
+  for (bool bidirectional : {true, false}) {
+    for (Index buckets : {8, 32}) {
+      const attn::T5Bias<float> t5(2, buckets, 128, bidirectional);
+      for (Index relative = -400; relative <= 400; ++relative) {
+        EXPECT_EQ(t5.bucket(1000, 1000 + relative),
+                  t5_bucket(relative, bidirectional, buckets, 128))
+            << "relative " << relative << ", buckets " << buckets
+            << (bidirectional ? ", bidirectional" : ", causal");
+      }
+    }
+  }
+  EXPECT_THROW(attn::T5Bias<float>(0), attn::shape_error);
+  EXPECT_THROW(attn::T5Bias<float>(2, 7), attn::shape_error);      // odd, bidirectional
+  EXPECT_THROW(attn::T5Bias<float>(2, 32, 8), attn::shape_error);  // max_distance too short
+}
+
+template <class V>
+void expect_parameter_gradient_matches(const V& variant, attn::Matrix<double>& table,
+                                       const attn::AttentionOptions<double>& options,
+                                       const std::string& name) {
+  std::mt19937 rng(31);
+  const Index n = 70;  // two row blocks of the materialised backward, several key parts tiled
+  const attn::Matrix<double> Q = attn_test::random_matrix<double>(n, 4, rng);
+  const attn::Matrix<double> K = attn_test::random_matrix<double>(n, 4, rng);
+  const attn::Matrix<double> Vv = attn_test::random_matrix<double>(n, 3, rng);
+  const attn::Matrix<double> dO = attn_test::random_matrix<double>(n, 3, rng);
+  const attn::Matrix<double> want = central_differences_in_place(
+      table, [&] { return reference_loss(Q, K, Vv, dO, options, variant); });
+  attn::AttentionGrads<double> grads;
+  typename V::Gradient got;
+  attn::attention_backward(Q, K, Vv, dO, variant, options, grads, got);
+  EXPECT_TRUE(attn_test::near(got, want, 1e-6, 1e-8)) << name << " (attention_backward)";
+  typename V::Gradient tiled;
+  attn::flash_attention_backward(Q, K, Vv, dO, variant, options, attn::BackwardTiles{3, 1}, &tiled);
+  EXPECT_TRUE(attn_test::near(tiled, want, 1e-6, 1e-8)) << name << " (flash_attention_backward)";
+  EXPECT_GT(want.cwiseAbs().maxCoeff(), 1e-3) << name << ": the gradient is not trivially zero";
+}
+
+/// Reaches the T5Bias inside a `Both` (its first or second side).
+template <class A, class B>
+attn::Matrix<double>& table_of(attn::Both<A, B>& pair) {
+  if constexpr (attn::variant_learns_v<A>) {
+    return pair.first.table();
+  } else {
+    return pair.second.table();
+  }
+}
+
+TEST(T5Bias, TheTablesGradientMatchesCentralDifferences) {
+  std::mt19937 rng(32);
+  attn::T5Bias<double> t5(1, 8, 16, true);
+  t5.table() = attn_test::random_matrix<double>(1, 8, rng);
+  attn::AttentionOptions<double> plain;
+  attn::AttentionOptions<double> options;
+  options.softcap = 2.0;
+  for (const auto& o : {plain, options}) {
+    const std::string tag = o.softcap ? " with the option softcap" : "";
+    {
+      attn::T5Bias<double> alone = t5;
+      // The table is the variant's own: perturb it through a reference to the variant.
+      expect_parameter_gradient_matches(alone, alone.table(), o, "T5 alone" + tag);
+    }
+    {
+      auto documents = attn::both(attn::DocumentMask({0, 30, 70}, true), t5);
+      expect_parameter_gradient_matches(documents, table_of(documents), o,
+                                        "documents then T5" + tag);
+    }
+    {
+      auto capped = attn::both(t5, attn::Softcap<double>{1.5});
+      expect_parameter_gradient_matches(capped, table_of(capped), o, "T5 then softcap" + tag);
+    }
+  }
+}
+
+TEST(T5Bias, TheTablesGradientHasTheSameBitsForAnyThreadCount) {
+  std::mt19937 rng(33);
+  const attn::Matrix<float> Q = attn_test::random_matrix<float>(300, 32, rng);
+  const attn::Matrix<float> K = attn_test::random_matrix<float>(300, 32, rng);
+  const attn::Matrix<float> V = attn_test::random_matrix<float>(300, 32, rng);
+  const attn::Matrix<float> dO = attn_test::random_matrix<float>(300, 32, rng);
+  attn::T5Bias<float> t5(1, 32, 128, false);
+  t5.table() = attn_test::random_matrix<float>(1, 32, rng);
+  const auto variant = attn::both(attn::DocumentMask({0, 100, 300}, true), t5);
+  const int threads = attn::num_threads();
+  attn::AttentionGrads<float> grads;
+  attn::Matrix<float> one, two;
+  attn::set_num_threads(1);
+  attn::attention_backward(Q, K, V, dO, variant, {}, grads, one);
+  attn::set_num_threads(2);
+  attn::attention_backward(Q, K, V, dO, variant, {}, grads, two);
+  attn::set_num_threads(threads);
+  EXPECT_TRUE(attn_test::identical(one, two));
+  EXPECT_TRUE(one.allFinite());
 }
 
 }  // namespace variant_test

@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <type_traits>
 
 #include "attention.hpp"
@@ -66,6 +67,27 @@ void check_backward(const char* function, const Eigen::MatrixBase<DQ>& Q,
   check_attention(function, Q, K, V, options);
   require_same_rows(function, "dO", dO, "Q", Q);
   require_same_cols(function, "dO", dO, "V", V);
+}
+
+/// The forward (tiled) and backward with a variant, checks included (errors naming `function`):
+/// on the tiled path with `tiles` when given, else on the path `backward_path` picks; the
+/// variant's parameter gradient into `dparams` when not null.
+template <class DQ, class DK, class DV, class DG, class Variant>
+void variant_backward(const char* function, const Eigen::MatrixBase<DQ>& Q,
+                      const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                      const Eigen::MatrixBase<DG>& dO, const Variant& variant,
+                      const AttentionOptions<typename DQ::Scalar>& options,
+                      const std::optional<BackwardTiles>& tiles,
+                      AttentionGrads<typename DQ::Scalar>& grads,
+                      typename GradientOf<Variant>::type* dparams) {
+  using T = typename DQ::Scalar;
+  check_variant<Variant, T, true>();
+  check_backward(function, Q, K, V, dO, options);
+  if (tiles) require_tiles(function, *tiles);
+  const ScoreRule<T> rule = make_rule(options, Q.rows(), K.rows(), Q.cols());
+  forward_and_backward<T>(
+      Q, K, V, dO, rule, tiles ? Path::Tiled : backward_path(rule, Q.cols(), V.cols()),
+      tiles ? *tiles : BackwardTiles{}, grads, BoundVariant<Variant>{&variant}, dparams);
 }
 
 }  // namespace detail
@@ -212,13 +234,32 @@ void attention_backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<
                         const Variant& variant,
                         const AttentionOptions<typename DQ::Scalar>& options,
                         AttentionGrads<typename DQ::Scalar>& grads) {
-  using T = typename DQ::Scalar;
-  check_variant<Variant, T, true>();
-  detail::check_backward("attention_backward", Q, K, V, dO, options);
-  const detail::ScoreRule<T> rule = detail::make_rule(options, Q.rows(), K.rows(), Q.cols());
-  detail::forward_and_backward<T>(Q, K, V, dO, rule,
-                                  detail::backward_path(rule, Q.cols(), V.cols()), BackwardTiles{},
-                                  grads, detail::BoundVariant<Variant>{&variant});
+  detail::variant_backward("attention_backward", Q, K, V, dO, variant, options, std::nullopt, grads,
+                           static_cast<typename detail::GradientOf<Variant>::type*>(nullptr));
+}
+
+/// Gradients of attention with a learnable variant (`variant_learns_v`, such as `T5Bias`): as the
+/// overload above, and the gradient of the variant's parameters, summed tile by tile in a fixed
+/// order (the same bits for any thread count).
+/// \param Q        n x d_k queries
+/// \param K        m x d_k keys
+/// \param V        m x d_v values
+/// \param dO       n x d_v gradient of the loss with respect to the output
+/// \param variant  a variant with learnable parameters
+/// \param options  every `AttentionOptions` field
+/// \param grads    see `attention_backward`; resized, storage reused
+/// \param dparams  receives dL / d(the variant's parameters), as `Variant::Gradient`
+/// \throws shape_error on mismatched shapes or invalid options.
+template <class DQ, class DK, class DV, class DG, class Variant,
+          std::enable_if_t<variant_learns_v<Variant>, int> = 0>
+void attention_backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                        const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dO,
+                        const Variant& variant,
+                        const AttentionOptions<typename DQ::Scalar>& options,
+                        AttentionGrads<typename DQ::Scalar>& grads,
+                        typename Variant::Gradient& dparams) {
+  detail::variant_backward("attention_backward", Q, K, V, dO, variant, options, std::nullopt, grads,
+                           &dparams);
 }
 
 /// Gradients of attention with a variant (see the overload writing into caller storage).
@@ -249,21 +290,18 @@ AttentionGrads<typename DQ::Scalar> attention_backward(
 /// \param variant  a variant (`is_variant_v`) with `dscore` wherever it has `score`
 /// \param options  every `AttentionOptions` field
 /// \param tiles    query rows and key columns per tile (each at least 1)
+/// \param dparams  when not null (a learnable variant), receives the gradient of its parameters
 /// \returns `{dQ, dK, dV, dbias, dsink}`
 template <class DQ, class DK, class DV, class DG, class Variant,
           std::enable_if_t<is_variant_v<Variant>, int> = 0>
 AttentionGrads<typename DQ::Scalar> flash_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
     const Eigen::MatrixBase<DG>& dO, const Variant& variant,
-    const AttentionOptions<typename DQ::Scalar>& options = {}, const BackwardTiles& tiles = {}) {
-  using T = typename DQ::Scalar;
-  check_variant<Variant, T, true>();
-  detail::check_backward("flash_attention_backward", Q, K, V, dO, options);
-  detail::require_tiles("flash_attention_backward", tiles);
-  const detail::ScoreRule<T> rule = detail::make_rule(options, Q.rows(), K.rows(), Q.cols());
-  AttentionGrads<T> grads;
-  detail::forward_and_backward<T>(Q, K, V, dO, rule, detail::Path::Tiled, tiles, grads,
-                                  detail::BoundVariant<Variant>{&variant});
+    const AttentionOptions<typename DQ::Scalar>& options = {}, const BackwardTiles& tiles = {},
+    typename detail::GradientOf<Variant>::type* dparams = nullptr) {
+  AttentionGrads<typename DQ::Scalar> grads;
+  detail::variant_backward("flash_attention_backward", Q, K, V, dO, variant, options, tiles, grads,
+                           dparams);
   return grads;
 }
 

@@ -19,6 +19,13 @@
 ///   tile that is not known exactly may always be called `Partial`; calling it `Empty` or `Full`
 ///   wrongly drops or skips the mask (`check_tile` finds that).
 ///
+/// A variant with learnable parameters (`T5Bias`) has, beside `score` and `dscore`:
+/// - `using Gradient = ...;` (default-constructible, with `+=`), `Gradient zero_gradient() const`
+///   and `void gradient(Gradient& g, T s, T d, const ScoreAt& at) const`, which adds to g the
+///   contribution of one score: s the scaled logit it took, d = dL / d score. The backward sums
+///   them tile by tile, each tile's sum in a fixed order, then the tiles' in a fixed order: the
+///   bits do not depend on the thread count.
+///
 /// A member with one of these names but another signature is a compile-time error
 /// (`check_variant`), never silently ignored. `score` and `dscore` may be templates over T.
 
@@ -82,6 +89,7 @@ struct VariantMemberNames {
   int allowed;
   int keys;
   int tile;
+  int gradient;
 };
 template <class V>
 struct VariantNameProbe : V, VariantMemberNames {};
@@ -99,6 +107,7 @@ ATTN_DETAIL_VARIANT_NAME(dscore)
 ATTN_DETAIL_VARIANT_NAME(allowed)
 ATTN_DETAIL_VARIANT_NAME(keys)
 ATTN_DETAIL_VARIANT_NAME(tile)
+ATTN_DETAIL_VARIANT_NAME(gradient)
 #undef ATTN_DETAIL_VARIANT_NAME
 
 template <class V, class T, class = void>
@@ -147,6 +156,18 @@ struct callable_tile<
            decltype(std::declval<const V&>().tile(std::declval<const TileAt&>())), TileKind>>>
     : std::true_type {};
 
+template <class V, class T, class = void>
+struct callable_gradient : std::false_type {};
+template <class V, class T>
+struct callable_gradient<
+    V, T,
+    std::enable_if_t<
+        std::is_void_v<decltype(std::declval<const V&>().gradient(
+            std::declval<typename V::Gradient&>(), std::declval<T>(), std::declval<T>(),
+            std::declval<const ScoreAt&>()))> &&
+        std::is_same_v<decltype(std::declval<const V&>().zero_gradient()), typename V::Gradient>>>
+    : std::true_type {};
+
 template <class V>
 inline constexpr bool is_probeable_v = std::is_class_v<V> && !std::is_final_v<V>;
 
@@ -161,6 +182,17 @@ struct names_any_member<V, true>
 
 /// The variant of a call without one: it has no member, so every use of it compiles away.
 struct NoVariant {};
+
+/// The gradient type of a variant's parameters, or `NoGradient` for a variant without any.
+struct NoGradient {};
+template <class V, bool = names_gradient<V>::value>
+struct GradientOf {
+  using type = NoGradient;
+};
+template <class V>
+struct GradientOf<V, true> {
+  using type = typename V::Gradient;
+};
 
 /// A variant and where it runs (batch item and heads), as the kernels pass it along.
 template <class V>
@@ -194,6 +226,9 @@ inline constexpr bool variant_masks_v =
 /// Whether variant V gives its mask as one range of keys per query (has a member `keys`).
 template <class V>
 inline constexpr bool variant_ranges_v = detail::names_keys<V>::value;
+/// Whether variant V has learnable parameters (a member `gradient`).
+template <class V>
+inline constexpr bool variant_learns_v = detail::names_gradient<V>::value;
 /// Whether variant V classifies whole tiles itself (has a member `tile`).
 template <class V>
 inline constexpr bool variant_tiles_v = detail::names_tile<V>::value;
@@ -245,6 +280,13 @@ constexpr bool check_variant() {
   static_assert(!detail::names_dscore<V>::value || detail::callable_dscore<V, T>::value,
                 "attn: the variant's `dscore` must be callable as `T dscore(T s, const ScoreAt& "
                 "at) const`, returning T (the scalar type of the call)");
+  static_assert(!detail::names_gradient<V>::value || detail::callable_gradient<V, T>::value,
+                "attn: a variant with learnable parameters needs `using Gradient = ...;`, "
+                "`Gradient zero_gradient() const` and `void gradient(Gradient& g, T s, T d, const "
+                "ScoreAt& at) const`");
+  static_assert(!detail::names_gradient<V>::value || detail::names_score<V>::value,
+                "attn: the variant has `gradient` but no `score`: its parameters act through the "
+                "score");
   static_assert(!for_backward || !detail::names_score<V>::value || detail::names_dscore<V>::value,
                 "attn: the backward needs the variant's `dscore(s, at)` (d score / d s) beside its "
                 "`score`: the library cannot differentiate a functor");
@@ -521,12 +563,44 @@ struct BothMask<A, B, true> : BothScores<A, B> {
   }
 };
 
+/// The parameters of `Both`: those of the side that has them (one side at most).
+template <class A, class B,
+          int side = variant_learns_v<A>&& variant_learns_v<B>
+                         ? 3
+                         : (variant_learns_v<A> ? 1 : (variant_learns_v<B> ? 2 : 0))>
+struct BothLearns : BothMask<A, B> {
+  static_assert(!(variant_learns_v<A> && variant_learns_v<B>),
+                "attn: both() of two variants with learnable parameters is not supported");
+};
+template <class A, class B>
+struct BothLearns<A, B, 1> : BothMask<A, B> {
+  using Gradient = typename A::Gradient;
+  Gradient zero_gradient() const { return this->first.zero_gradient(); }
+  /// The first side's parameters, through the second side's derivative.
+  template <class T>
+  void gradient(Gradient& g, T s, T d, const ScoreAt& at) const {
+    const T inner = variant_score(this->first, s, at);
+    this->first.gradient(g, s, d * variant_dscore(this->second, inner, at), at);
+  }
+};
+template <class A, class B>
+struct BothLearns<A, B, 2> : BothMask<A, B> {
+  using Gradient = typename B::Gradient;
+  Gradient zero_gradient() const { return this->second.zero_gradient(); }
+  /// The second side's parameters, at the first side's score.
+  template <class T>
+  void gradient(Gradient& g, T s, T d, const ScoreAt& at) const {
+    this->second.gradient(g, variant_score(this->first, s, at), d, at);
+  }
+};
+
 }  // namespace detail
 
 /// Two variants at once: a key is allowed where both allow it, and the score is `second`'s
-/// modification of `first`'s. A tile is Empty where either side's is, Full where both are.
+/// modification of `first`'s. A tile is Empty where either side's is, Full where both are. The
+/// learnable parameters of one side (at most) are those of the pair.
 template <class A, class B>
-struct Both : detail::BothMask<A, B> {
+struct Both : detail::BothLearns<A, B> {
   /// Empty if either side is Empty, Full if both are Full, else Partial.
   /// \param at  the tile's queries and keys
   /// \returns Empty, Full or Partial
@@ -547,7 +621,7 @@ template <class A, class B>
 Both<A, B> both(A first, B second) {
   check_variant_members<A>();
   check_variant_members<B>();
-  return Both<A, B>{{{std::move(first), std::move(second)}}};
+  return Both<A, B>{{{{std::move(first), std::move(second)}}}};
 }
 
 /// Either of two masks: a key is allowed where one of them allows it. A tile is Full where either
@@ -882,6 +956,108 @@ struct Softcap {
     const T t = std::tanh(s / cap);
     return T(1) - t * t;
   }
+};
+
+/// T5's relative position bias (Raffel et al. 2020): a learnable scalar per query head and bucket
+/// of the distance key - query, added to the score. Distances below `buckets / 2` (per direction
+/// when bidirectional) have a bucket each; longer ones share logarithmically wider buckets up to
+/// `max_distance`, beyond which they share the last. Causal bucketing (`bidirectional` false)
+/// maps every key after the query to bucket 0, as T5's decoder does.
+/// Positions are those within the sequence (`ScoreAt::query_in_sequence`, `key_in_sequence`).
+/// Its table is a parameter: the backward returns its gradient (`gradient`), reduced tile by tile
+/// in a fixed order.
+template <class T>
+class T5Bias {
+ public:
+  /// \param heads          query heads (rows of the table)
+  /// \param buckets        buckets per head (at least 2; even when bidirectional)
+  /// \param max_distance   the distance from which every longer one shares the last bucket
+  /// \param bidirectional  true for an encoder (both directions bucketed), false for a decoder
+  T5Bias(Index heads, Index buckets = 32, Index max_distance = 128, bool bidirectional = true)
+      : table_(Matrix<T>::Zero(heads, buckets)), bidirectional_(bidirectional) {
+    detail::require_positive_size("attn::T5Bias", "heads", heads);
+    if (buckets < 2 || (bidirectional && buckets % 2 != 0)) {
+      detail::fail("attn::T5Bias", "buckets must be at least 2 (and even when bidirectional), got ",
+                   buckets);
+    }
+    const Index side = bidirectional ? buckets / 2 : buckets;
+    const Index exact = side / 2;
+    if (max_distance <= exact) {
+      detail::fail("attn::T5Bias", "max_distance must exceed the exact buckets (", exact, "), got ",
+                   max_distance);
+    }
+    // One bucket per distance below max_distance; every longer distance takes the last.
+    by_distance_.resize(static_cast<std::size_t>(max_distance));
+    for (Index n = 0; n < max_distance; ++n) {
+      Index b = n;
+      if (n >= exact) {
+        const double scaled =
+            std::log(static_cast<double>(n) / static_cast<double>(exact)) /
+            std::log(static_cast<double>(max_distance) / static_cast<double>(exact)) *
+            static_cast<double>(side - exact);
+        b = std::min(exact + static_cast<Index>(scaled), side - 1);
+      }
+      by_distance_[static_cast<std::size_t>(n)] = b;
+    }
+    side_ = side;
+  }
+
+  /// \param query  a query's position
+  /// \param key    a key's position
+  /// \returns the bucket of key - query
+  Index bucket(Index query, Index key) const {
+    const Index relative = key - query;
+    Index offset = 0;
+    Index n = 0;
+    if (bidirectional_) {
+      if (relative > 0) offset = side_;
+      n = relative < 0 ? -relative : relative;
+    } else {
+      n = relative < 0 ? -relative : 0;
+    }
+    const auto far = static_cast<Index>(by_distance_.size());
+    return offset + (n < far ? by_distance_[static_cast<std::size_t>(n)] : side_ - 1);
+  }
+
+  /// \returns the table, heads x buckets (zeros at construction)
+  Matrix<T>& table() { return table_; }
+  /// \returns the table, heads x buckets
+  const Matrix<T>& table() const { return table_; }
+
+  /// \param s   a scaled logit
+  /// \param at  where it sits (`head`, `query_in_sequence`, `key_in_sequence`)
+  /// \returns s + table(head, bucket)
+  T score(T s, const ScoreAt& at) const {
+    return s + table_(at.head, bucket(at.query_in_sequence, at.key_in_sequence));
+  }
+  /// \param s   a scaled logit (unused)
+  /// \param at  where it sits (unused)
+  /// \returns 1
+  T dscore(T s, const ScoreAt& at) const {
+    static_cast<void>(s);
+    static_cast<void>(at);
+    return T(1);
+  }
+
+  /// The gradient of the table: heads x buckets.
+  using Gradient = Matrix<T>;
+  /// \returns a zero gradient
+  Gradient zero_gradient() const { return Gradient::Zero(table_.rows(), table_.cols()); }
+  /// Adds one score's contribution: dL/d(score) to its entry of the table.
+  /// \param g   the gradient being summed
+  /// \param s   the scaled logit (unused: the bias is added)
+  /// \param d   dL/d score at this entry
+  /// \param at  where it sits
+  void gradient(Gradient& g, T s, T d, const ScoreAt& at) const {
+    static_cast<void>(s);
+    g(at.head, bucket(at.query_in_sequence, at.key_in_sequence)) += d;
+  }
+
+ private:
+  Matrix<T> table_;
+  bool bidirectional_;
+  Index side_ = 0;
+  std::vector<Index> by_distance_;
 };
 
 }  // namespace attn

@@ -63,6 +63,7 @@ struct BackwardScratch {
   Matrix<T> dS;  ///< rows x cols: dP, then dS
   Matrix<T> G;   ///< rows x cols: the softcap's derivative 1 - tanh^2(s / c)
   Matrix<T> Gv;  ///< rows x cols: a variant's d score / d s
+  Matrix<T> S0;  ///< rows x cols: the scaled scores a learnable variant's gradient takes
 };
 
 /// The inputs of a backward every step reads: the forward's operands, its log-sum-exp, dO and
@@ -77,6 +78,38 @@ struct BackwardInputs {
   const Vector<T>& D;
   const ScoreRule<T>& rule;
   BoundVariant<Variant> variant = {};
+  /// Where the variant's parameter gradient goes (learnable variants; null: not asked for).
+  typename GradientOf<Variant>::type* dparams = nullptr;
+};
+
+/// One parameter gradient per task of a parallel loop, each zero (none when not asked for), and
+/// their sum in task order into `in.dparams`: the bits do not depend on the thread count.
+template <class T, class Variant>
+struct TaskGradients {
+  using Gradient = typename GradientOf<Variant>::type;
+  std::vector<Gradient> tasks;
+  TaskGradients(const BackwardInputs<T, Variant>& in, Index count) {
+    if constexpr (variant_learns_v<Variant>) {
+      if (in.dparams) {
+        tasks.assign(static_cast<std::size_t>(count), in.variant.variant->zero_gradient());
+      }
+    } else {
+      static_cast<void>(in);
+      static_cast<void>(count);
+    }
+  }
+  Gradient* of(Index task) {
+    return tasks.empty() ? nullptr : &tasks[static_cast<std::size_t>(task)];
+  }
+  void sum_into(const BackwardInputs<T, Variant>& in) const {
+    if constexpr (variant_learns_v<Variant>) {
+      if (!in.dparams) return;
+      *in.dparams = in.variant.variant->zero_gradient();
+      for (const Gradient& g : tasks) *in.dparams += g;
+    } else {
+      static_cast<void>(in);
+    }
+  }
 };
 
 /// K and V packed once per call into the score kernel's panels (for S = Q K^T and dP = dO V^T),
@@ -105,7 +138,7 @@ struct PackedOperands {
 template <class T, class Variant = NoVariant>
 void backward_tile(const BackwardInputs<T, Variant>& in, const PackedOperands<T>& packed, Index i0,
                    Index rows, Index j0, Index cols, BackwardScratch<T>& scratch, T* dbias,
-                   Index dbias_stride) {
+                   Index dbias_stride, typename GradientOf<Variant>::type* dparams = nullptr) {
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
   using Tile = Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>;
   const ScoreRule<T>& rule = in.rule;
@@ -132,6 +165,9 @@ void backward_tile(const BackwardInputs<T, Variant>& in, const PackedOperands<T>
 
   // 1. Logits by the variant's score and the score rule.
   products(in.Q, packed.K, in.K, rule.scale, P);
+  if constexpr (variant_learns_v<Variant>) {
+    if (dparams) scratch.S0 = P;
+  }
   if constexpr (variant_scores_v<Variant>) {
     scratch.Gv.resize(rows, cols);
     for (Index r = 0; r < rows; ++r) {
@@ -182,6 +218,21 @@ void backward_tile(const BackwardInputs<T, Variant>& in, const PackedOperands<T>
     if (dbias) std::copy(ds, ds + cols, dbias + (i0 + r) * dbias_stride + j0);
   }
   if (rule.softcap) dS.array() *= scratch.G.array();
+  if constexpr (variant_learns_v<Variant>) {
+    if (dparams) {  // dS is dL / d(the variant's score) here
+      for (Index r = 0; r < rows; ++r) {
+        const Index query = rule.q_position + i0 + r;
+        const T* ds = dS.data() + r * dS.outerStride();
+        for (Index c = 0; c < cols; ++c) {
+          if (ds[c] == T(0)) continue;
+          in.variant.variant->gradient(*dparams, scratch.S0(r, c), ds[c],
+                                       in.variant.at(query, rule.k_position + j0 + c));
+        }
+      }
+    }
+  } else {
+    static_cast<void>(dparams);
+  }
   if constexpr (variant_scores_v<Variant>) {
     for (Index r = 0; r < rows; ++r) {
       T* ds = dS.data() + r * dS.outerStride();
@@ -269,15 +320,17 @@ void materialised_backward(const BackwardInputs<T, Variant>& in, Matrix<T>& P, M
   const Index d_v = in.V.cols();
   // S = Q K^T, dP = dO V^T and dQ = dS K; then dV = P^T dO and dK = dS^T Q.
   const double rows_flops = 2.0 * double(n) * double(m) * double(2 * d_k + d_v);
-  parallel_for<BackwardScratch<T>>(
-      (n + block - 1) / block, rows_flops, [&](Index b, BackwardScratch<T>& s) {
-        const Index i0 = b * block;
-        const Index rows = std::min(block, n - i0);
-        backward_tile<T>(in, PackedOperands<T>{}, i0, rows, 0, m, s, dbias, m);
-        P.middleRows(i0, rows) = s.P.topLeftCorner(rows, m);
-        dS.middleRows(i0, rows) = s.dS.topLeftCorner(rows, m);
-        grads.dQ.middleRows(i0, rows).noalias() = (in.rule.scale * dS.middleRows(i0, rows)) * in.K;
-      });
+  const Index blocks = (n + block - 1) / block;
+  TaskGradients<T, Variant> dparams(in, blocks);
+  parallel_for<BackwardScratch<T>>(blocks, rows_flops, [&](Index b, BackwardScratch<T>& s) {
+    const Index i0 = b * block;
+    const Index rows = std::min(block, n - i0);
+    backward_tile<T>(in, PackedOperands<T>{}, i0, rows, 0, m, s, dbias, m, dparams.of(b));
+    P.middleRows(i0, rows) = s.P.topLeftCorner(rows, m);
+    dS.middleRows(i0, rows) = s.dS.topLeftCorner(rows, m);
+    grads.dQ.middleRows(i0, rows).noalias() = (in.rule.scale * dS.middleRows(i0, rows)) * in.K;
+  });
+  dparams.sum_into(in);
   parallel_for<int>((m + block - 1) / block, attention_flops(n, m, d_k, d_v), [&](Index b, int&) {
     const Index j0 = b * block;
     const Index cols = std::min(block, m - j0);
@@ -344,6 +397,7 @@ void tiled_backward(const BackwardInputs<T, Variant>& in, T* packed_K, T* packed
   };
   // The five products of the backward: 2 n m (3 d_k + 2 d_v) flops.
   const double flops = 2.0 * double(n) * double(m) * double(3 * d_k + 2 * d_v);
+  TaskGradients<T, Variant> dparams(in, kp.parts);
   parallel_for<BackwardScratch<T>>(kp.parts, flops, [&](Index part, BackwardScratch<T>& s) {
     const Index first_block = part * kp.per_part;
     const Index last_block = std::min(kp.blocks, first_block + kp.per_part);
@@ -381,7 +435,7 @@ void tiled_backward(const BackwardInputs<T, Variant>& in, T* packed_K, T* packed
       for (Index i0 = 0; i0 < n; i0 += tiles.query_rows) {
         const Index rows = std::min(tiles.query_rows, n - i0);
         if (!sees(i0, rows, j0, cols)) continue;
-        backward_tile<T>(in, packed, i0, rows, j0, cols, s, dbias, m);
+        backward_tile<T>(in, packed, i0, rows, j0, cols, s, dbias, m, dparams.of(part));
         const Index p_stride = s.P.outerStride();
         const Index ds_stride = s.dS.outerStride();
         value_tiles<T, true>(cols, rows, d_v, s.P.data(), p_stride,
@@ -397,6 +451,7 @@ void tiled_backward(const BackwardInputs<T, Variant>& in, T* packed_K, T* packed
       grads.dK.middleRows(j0, cols) *= rule.scale;
     }
   });
+  dparams.sum_into(in);
   // The sum of the partial dQ: n d_k additions per part, on the calling thread below `team_flops`
   // (a team for the sum alone cost the backward more than it saved; see docs/benchmarks.md).
   constexpr Index block = 64;
@@ -433,7 +488,8 @@ template <class T, class Variant = NoVariant>
 void backward_kernel(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, ConstRef<T> O,
                      const Vector<T>& lse, ConstRef<T> dO, const ScoreRule<T>& rule, Path path,
                      const BackwardTiles& tiles, AttentionGrads<T>& grads,
-                     const BoundVariant<Variant>& variant = {}) {
+                     const BoundVariant<Variant>& variant = {},
+                     typename GradientOf<Variant>::type* dparams = nullptr) {
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
   const Index n = Q.rows();
   const Index m = K.rows();
@@ -449,11 +505,12 @@ void backward_kernel(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, ConstRef<T> O,
   grads.dsink = T(0);
   // D_i = rowsum(dO o O)_i = sum_j P_ij dP_ij (O_i = sum_j P_ij V_j).
   store.D = (dO.array() * O.array()).rowwise().sum();
-  const BackwardInputs<T, Variant> in{Q, K, V, dO, lse, store.D, rule, variant};
+  const BackwardInputs<T, Variant> in{Q, K, V, dO, lse, store.D, rule, variant, dparams};
   if (n == 0 || m == 0) {
     grads.dQ.setZero();
     grads.dK.setZero();
     grads.dV.setZero();
+    TaskGradients<T, Variant>(in, 0).sum_into(in);
   } else if (path == Path::Tiled) {
     store.packed_K.resize(whole_panels<T>(m) * K.cols());
     store.packed_V.resize(whole_panels<T>(m) * V.cols());
@@ -476,11 +533,12 @@ void backward_kernel(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, ConstRef<T> O,
 template <class T, class Variant = NoVariant>
 void forward_and_backward(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, ConstRef<T> dO,
                           const ScoreRule<T>& rule, Path path, const BackwardTiles& tiles,
-                          AttentionGrads<T>& grads, const BoundVariant<Variant>& variant = {}) {
+                          AttentionGrads<T>& grads, const BoundVariant<Variant>& variant = {},
+                          typename GradientOf<Variant>::type* dparams = nullptr) {
   Matrix<T> O(Q.rows(), V.cols());
   Vector<T> lse(Q.rows());
   forward_for_backward<T>(Q, K, V, rule, path, O, lse, variant);
-  backward_kernel<T>(Q, K, V, O, lse, dO, rule, path, tiles, grads, variant);
+  backward_kernel<T>(Q, K, V, O, lse, dO, rule, path, tiles, grads, variant, dparams);
 }
 
 }  // namespace detail
