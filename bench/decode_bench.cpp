@@ -15,6 +15,7 @@
 // BM_decode_step and BM_decode_int8_arithmetic also run over a short cache of 128 tokens, where
 // the cost of a step outside its tiles shows. BM_decode_phase times the phases of the step's tiles
 // alone (scores, online softmax, values) and whole; compare_decode.py prints them per key.
+// BM_decode_documents is a step with a `DocumentMask` variant beside its ideal and the full step.
 
 #include <algorithm>
 #include <cmath>
@@ -247,6 +248,31 @@ void BM_decode_naive(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * kv_bytes(tokens));
 }
 
+/// A decoding step over documents packed into one cache (8 of 512 tokens in 4096), the query the
+/// last token of the last document: 0 through `attend` with a `DocumentMask` (the step reads only
+/// the keys the variant's ranges leave), 1 the same step over a cache that holds only that
+/// document (the ideal), 2 the step over all 4096 tokens without a variant. docs/benchmarks.md,
+/// "Attention variants", sets the three side by side.
+void BM_decode_documents(benchmark::State& state) {
+  const Index mode = state.range(0);
+  constexpr Index tokens = 4096, length = 512;
+  const attn::KVCache<float> cache = filled_cache(mode == 1 ? length : tokens);
+  std::vector<Index> offsets;
+  for (Index p = 0; p <= tokens; p += length) offsets.push_back(p);
+  const attn::DocumentMask documents(offsets, true);
+  const attn::Matrix<float> q = attn_bench::random_matrix<float>(1, query_heads * head_dim, 3);
+  attn::Matrix<float> out = attn::Matrix<float>::Zero(1, query_heads * head_dim);
+  for (auto _ : state) {
+    if (mode == 0) {
+      cache.attend(q, documents, {}, {}, out);
+    } else {
+      cache.attend(q, attn::AttentionOptions<float>{}, out);
+    }
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+}
+
 /// The streaming baseline: the sum of a 512 MiB float buffer (4x the 16k cache), in as many
 /// contiguous chunks as the cache has key/value heads, over attn's threads (the same split as a
 /// decoding step).
@@ -297,6 +323,11 @@ BENCHMARK(BM_decode_int8_arithmetic)->Apply(short_cache);
 BENCHMARK(BM_decode_phase)
     ->ArgsProduct({{0, 1, 2, 3}, {0, 1, 2, 3}})
     ->ArgNames({"phase", "storage"})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK(BM_decode_documents)
+    ->DenseRange(0, 2)
+    ->ArgNames({"mode"})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 BENCHMARK(BM_decode_naive)

@@ -9,6 +9,8 @@
 #include <attn/attention.hpp>
 #include <attn/backward.hpp>
 #include <attn/flash.hpp>
+#include <attn/heads.hpp>
+#include <attn/kv_cache.hpp>
 #include <attn/threads.hpp>
 #include <attn/variant.hpp>
 #include <cmath>
@@ -790,6 +792,224 @@ TEST(T5Bias, TheTablesGradientHasTheSameBitsForAnyThreadCount) {
   attn::set_num_threads(threads);
   EXPECT_TRUE(attn_test::identical(one, two));
   EXPECT_TRUE(one.allFinite());
+}
+
+// ---------------------------------------------------------------------------------------------
+// attention_heads with a variant: each query head sees its own head and key/value head.
+
+/// A score and a mask that differ per head: s (1 + 0.2 head) + 0.1 kv_head (key mod 3), and each
+/// query head h sees the keys up to h places after the query.
+struct PerHead {
+  template <class T>
+  T score(T s, const ScoreAt& at) const {
+    return s * (T(1) + T(0.2) * static_cast<T>(at.head)) +
+           T(0.1) * static_cast<T>(at.kv_head) * static_cast<T>(at.key % 3);
+  }
+  bool allowed(const ScoreAt& at) const { return at.key <= at.query + at.head; }
+};
+
+/// (heads, rows, cols) of uniform entries.
+attn::Tensor3<double> random_tensor(Index heads, Index rows, Index cols, std::mt19937& rng) {
+  attn::Tensor3<double> t(heads, rows, cols);
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  for (Index i = 0; i < t.size(); ++i) t.data()[i] = u(rng);
+  return t;
+}
+
+template <class V>
+void expect_heads_match_reference(const V& variant, Index n, Index m,
+                                  const attn::AttentionOptions<double>& options,
+                                  const std::string& name) {
+  std::mt19937 rng(41);
+  const Index heads = 4, kv_heads = 2, d = 16;
+  // d_v 16: whole packets (the decoding kernel's SIMD tiles for one query); 5: its other loop.
+  for (const Index d_v : {Index(16), Index(5)}) {
+    const attn::Tensor3<double> Q = random_tensor(heads, n, d, rng);
+    const attn::Tensor3<double> K = random_tensor(kv_heads, m, d, rng);
+    const attn::Tensor3<double> Vv = random_tensor(kv_heads, m, d_v, rng);
+    const attn::Tensor3<double> out = attn::attention_heads(Q, K, Vv, variant, options);
+    for (Index h = 0; h < heads; ++h) {
+      const Index kv = h / (heads / kv_heads);
+      const attn_test::NaiveAttention want =
+          attn_test::naive_attention(attn::detail::slice(Q, h), attn::detail::slice(K, kv),
+                                     attn::detail::slice(Vv, kv), options, variant, h, kv);
+      EXPECT_TRUE(attn_test::near(attn::detail::slice(out, h), want.output, 1e-12, 1e-13))
+          << name << ", head " << h << ", n " << n << ", d_v " << d_v;
+    }
+  }
+}
+
+TEST(VariantHeads, EachHeadSeesItsHeadsAsTheReferenceDoes) {
+  attn::T5Bias<double> t5(4, 8, 16, true);
+  std::mt19937 rng(42);
+  t5.table() = attn_test::random_matrix<double>(4, 8, rng);
+  attn::AttentionOptions<double> causal;
+  causal.causal = attn::Causal::BottomRight;
+  for (const Index n : {Index(1), Index(37)}) {
+    expect_heads_match_reference(PerHead{}, n, 37, {}, "per-head score and mask");
+    expect_heads_match_reference(t5, n, 37, causal, "T5 table of 4 heads, causal");
+    expect_heads_match_reference(attn::both(attn::DocumentMask({0, 10, 37}, false), t5), n, 37, {},
+                                 "documents and T5");
+  }
+}
+
+TEST(VariantHeads, OneQueryNeverSeesAForbiddenKeysNan) {
+  // One query: the decoding kernel over the 4 query heads stacked on their key/value head.
+  std::mt19937 rng(44);
+  attn::Tensor3<float> Q(4, 1, 16), K(1, 300, 16), V(1, 300, 16);
+  for (auto* t : {&Q, &K, &V}) {
+    const attn::Tensor3<double> r =
+        random_tensor(t->dimension(0), t->dimension(1), t->dimension(2), rng);
+    for (Index i = 0; i < t->size(); ++i) t->data()[i] = static_cast<float>(r.data()[i]);
+  }
+  attn::AttentionOptions<float> options;
+  options.query_offset = 299;
+  const attn::DocumentMask documents({0, 100, 300}, true);
+  const attn::Tensor3<float> clean = attn::attention_heads(Q, K, V, documents, options);
+  V(0, 50, 3) = std::numeric_limits<float>::quiet_NaN();  // a key of document 0
+  const attn::Tensor3<float> out = attn::attention_heads(Q, K, V, documents, options);
+  for (Index h = 0; h < 4; ++h) {
+    EXPECT_TRUE(
+        attn_test::near(attn::detail::slice(out, h), attn::detail::slice(clean, h), 1e-6, 1e-7))
+        << "head " << h;
+  }
+  // The same query in document 0 does see the NaN.
+  options.query_offset = 60;
+  EXPECT_TRUE(std::isnan(attn::attention_heads(Q, K, V, documents, options)(0, 0, 3)));
+  // Past the last document it sees nothing: zero output, no key read.
+  options.query_offset = 400;
+  const attn::Tensor3<float> nothing = attn::attention_heads(Q, K, V, documents, options);
+  for (Index h = 0; h < 4; ++h) EXPECT_TRUE(attn::detail::slice(nothing, h).isZero(0));
+}
+
+TEST(VariantHeads, StoredKeysAndValuesAndTheThreadCount) {
+  std::mt19937 rng(43);
+  attn::Tensor3<float> Q(4, 50, 16), K(1, 70, 16), V(1, 70, 16);
+  for (auto* t : {&Q, &K, &V}) {
+    const attn::Tensor3<double> r =
+        random_tensor(t->dimension(0), t->dimension(1), t->dimension(2), rng);
+    for (Index i = 0; i < t->size(); ++i) t->data()[i] = static_cast<float>(r.data()[i]);
+  }
+  const auto variant = attn::both(attn::DocumentMask({0, 30, 70}, true), PerHead{});
+  attn::AttentionOptions<float> options;
+  options.query_offset = 20;
+  const int threads = attn::num_threads();
+  attn::set_num_threads(1);
+  const attn::Tensor3<float> one = attn::attention_heads(Q, K, V, variant, options);
+  attn::set_num_threads(2);
+  const attn::Tensor3<float> two = attn::attention_heads(Q, K, V, variant, options);
+  // One head: fewer heads than threads, so the kernel runs parallel over query blocks instead.
+  attn::Tensor3<float> Q0(1, 50, 16);
+  std::copy(Q.data(), Q.data() + Q0.size(), Q0.data());
+  const attn::Tensor3<float> first = attn::attention_heads(Q0, K, V, variant, options);
+  attn::set_num_threads(threads);
+  EXPECT_TRUE(attn_test::identical(attn::detail::slice(one, 1), attn::detail::slice(two, 1)));
+  EXPECT_TRUE(attn_test::identical(attn::detail::slice(first, 0), attn::detail::slice(one, 0)));
+  // Keys and values in float16: the result of the widened tensors.
+  const Eigen::Tensor<Eigen::half, 3, Eigen::RowMajor> K16 = K.cast<Eigen::half>();
+  const Eigen::Tensor<Eigen::half, 3, Eigen::RowMajor> V16 = V.cast<Eigen::half>();
+  const attn::Tensor3<float> K_wide = K16.cast<float>();
+  const attn::Tensor3<float> V_wide = V16.cast<float>();
+  const attn::Tensor3<float> stored = attn::attention_heads(Q, K16, V16, variant, options);
+  const attn::Tensor3<float> widened = attn::attention_heads(Q, K_wide, V_wide, variant, options);
+  for (Index h = 0; h < 4; ++h) {
+    EXPECT_TRUE(attn_test::near(attn::detail::slice(stored, h), attn::detail::slice(widened, h),
+                                1e-5, 1e-6))
+        << "head " << h;
+  }
+  attn::Tensor3<float> K3(3, 70, 16);  // 4 query heads over 3 key/value heads
+  K3.setZero();
+  EXPECT_THROW(attn::attention_heads(Q, K3, K3, variant, options), attn::shape_error);
+}
+
+// ---------------------------------------------------------------------------------------------
+// KVCache::attend with a variant: the cache's keys at their absolute positions.
+
+/// StreamingLLM's visibility as a mask: causal, the w keys before a query and the first `pinned`.
+struct Streaming {
+  Index window;
+  Index pinned;
+  bool allowed(const ScoreAt& at) const {
+    return at.key <= at.query && (at.query - at.key <= window || at.key < pinned);
+  }
+};
+
+/// Appends 6 blocks of 7 tokens (kv_heads 2, d 8, d_v 5) and attends the last block's 7 queries
+/// (4 query heads) with `variant`; compares with attention_heads over every token, causal, with
+/// `variant` and the cache's window as a mask.
+template <class V>
+void expect_cache_matches_heads(const V& variant, std::optional<Index> window, Index pinned,
+                                attn::KVStorage storage, Index queries, double tolerance,
+                                const std::string& name) {
+  std::mt19937 rng(51);
+  const Index kv_heads = 2, heads = 4, d = 8, d_v = 5, block = 7, blocks = 6;
+  attn::KVCacheConfig<double> config;
+  config.d_k = d;
+  config.d_v = d_v;
+  config.kv_heads = kv_heads;
+  config.window = window;
+  config.pinned_tokens = pinned;
+  config.storage = storage;
+  attn::KVCache<double> cache(config);
+  const attn::Matrix<double> K =
+      attn_test::random_matrix<double>(block * blocks, kv_heads * d, rng);
+  const attn::Matrix<double> Vv =
+      attn_test::random_matrix<double>(block * blocks, kv_heads * d_v, rng);
+  for (Index b = 0; b < blocks; ++b) {
+    cache.append(K.middleRows(b * block, block), Vv.middleRows(b * block, block));
+  }
+  const attn::Matrix<double> Q = attn_test::random_matrix<double>(queries, heads * d, rng);
+  const attn::Matrix<double> got = cache.attend(Q, variant);
+  attn::AttentionOptions<double> causal;
+  causal.causal = attn::Causal::BottomRight;
+  const Index w = window ? *window : block * blocks;
+  const auto want = [&](const attn::Tensor3<double>& Kt, const attn::Tensor3<double>& Vt) {
+    return attn::merge_heads(attn::attention_heads(
+        attn::split_heads(Q, heads), Kt, Vt, attn::both(variant, Streaming{w, pinned}), causal));
+  };
+  // The stored formats: the reference over the keys and values as the cache keeps them.
+  attn::Tensor3<double> Kt = attn::split_heads(K, kv_heads), Vt = attn::split_heads(Vv, kv_heads);
+  if (storage == attn::KVStorage::Float16) {
+    Kt = Kt.cast<Eigen::half>().cast<double>();
+    Vt = Vt.cast<Eigen::half>().cast<double>();
+  }
+  EXPECT_TRUE(attn_test::near(got, want(Kt, Vt), tolerance, tolerance)) << name;
+}
+
+TEST(VariantCache, TheCacheAttendsWithAVariantAtAbsolutePositions) {
+  attn::T5Bias<double> t5(4, 8, 16, false);
+  std::mt19937 rng(52);
+  t5.table() = attn_test::random_matrix<double>(4, 8, rng);
+  const attn::DocumentMask documents({0, 16, 38, 42}, true);
+  const auto both = attn::both(documents, t5);
+  for (const auto& [window, pinned] :
+       {std::pair<std::optional<Index>, Index>{std::nullopt, 0}, {9, 0}, {9, 3}}) {
+    const std::string tag = window ? ", window 9, " + std::to_string(pinned) + " pinned" : "";
+    for (const Index queries : {Index(7), Index(1)}) {  // 1: the decoding kernel
+      const std::string what = tag + ", " + std::to_string(queries) + " queries";
+      expect_cache_matches_heads(PerHead{}, window, pinned, attn::KVStorage::Same, queries, 1e-12,
+                                 "per-head" + what);
+      expect_cache_matches_heads(both, window, pinned, attn::KVStorage::Same, queries, 1e-12,
+                                 "documents and T5" + what);
+      expect_cache_matches_heads(both, window, pinned, attn::KVStorage::Float16, queries, 1e-12,
+                                 "documents and T5 in float16" + what);
+    }
+  }
+}
+
+TEST(VariantCache, TheCheckingModeNamesAWrongTile) {
+  // Claims every tile is Full while forbidding odd keys.
+  struct Liar {
+    bool allowed(const ScoreAt& at) const { return at.key % 2 == 0; }
+    TileKind tile(const TileAt&) const { return TileKind::Full; }
+  };
+  attn::KVCache<double> cache(8, 8);
+  std::mt19937 rng(53);
+  cache.append(attn_test::random_matrix<double>(40, 8, rng),
+               attn_test::random_matrix<double>(40, 8, rng));
+  const attn::Matrix<double> Q = attn_test::random_matrix<double>(3, 8, rng);
+  EXPECT_NO_THROW(cache.attend(Q, Liar{}));  // unchecked: the claim is believed
+  EXPECT_THROW(cache.attend(Q, attn::checked(Liar{})), attn::shape_error);
 }
 
 }  // namespace variant_test

@@ -18,6 +18,7 @@
 #include "tensor.hpp"
 #include "threads.hpp"
 #include "types.hpp"
+#include "variant.hpp"
 
 namespace attn {
 
@@ -207,6 +208,78 @@ void heads_forward(const char* function, const Tensor3<T>& Q, const Tensor3<S>& 
       [&](Index h) -> T* { return lse ? lse->data() + h * n : nullptr; });
 }
 
+/// The query heads [0, heads) with a variant, the variant bound to item `batch`, the head and its
+/// key/value head (h / group). One query without tables: the decoding kernel over stacked groups,
+/// as `heads_kernel`. Otherwise each head on the tiled kernel: in parallel over heads when there
+/// are as many as threads, else head after head with the kernel parallel over query blocks (the
+/// same bits either way). Shape contract as `heads_kernel`.
+/// The checking mode (`checked`) checks every head's tiles before any is computed.
+template <class T, class Variant, class QHead, class KHead, class VHead, class OHead, class QGroup,
+          class OGroup, class LseHead>
+void heads_variant_kernel(Index heads, Index group, const ScoreRule<T>& shared,
+                          const HeadOptions<T>& per_head, const Variant& variant, Index batch,
+                          const QHead& q, const KHead& k, const VHead& v, const OHead& o,
+                          const QGroup& stacked_q, const OGroup& stacked_o, const LseHead& lse) {
+  const auto rule_of = [&](Index h) {
+    return per_head.any() ? head_rule(shared, per_head, h) : shared;
+  };
+  const auto bound_of = [&](Index h) {
+    return BoundVariant<Variant>{&variant, batch, h, h / group};
+  };
+  if constexpr (is_checked<Variant>::value) {
+    for (Index h = 0; h < heads; ++h) check_kernel_tiles<T>(rule_of(h), FlashTiles{}, bound_of(h));
+  }
+  // One query: the query heads of each group stacked over their key/value head, as without a
+  // variant (the decoding kernel applies it entry by entry).
+  if (heads > 0 && lse(0) == nullptr && !per_head.any() &&
+      choose_path(shared, q(0).cols(), v(0).cols(), false) == Path::Decode) {
+    decode_groups<T>(heads / group, shared, stacked_q, k, v, stacked_o,
+                     BoundVariant<Variant>{&variant, batch, 0, 0});
+    return;
+  }
+  if (heads < num_threads()) {
+    for (Index h = 0; h < heads; ++h) {
+      flash_kernel_on<T>(q(h), kernel_block<T>(k(h / group)), kernel_block<T>(v(h / group)),
+                         rule_of(h), FlashTiles{}, o(h), lse(h), bound_of(h));
+    }
+    return;
+  }
+  const double flops =
+      double(heads) * attention_flops(shared.n, shared.m, q(0).cols(), v(0).cols());
+  parallel_for<FlashScratch<T>>(heads, flops, [&](Index h, FlashScratch<T>& scratch) {
+    flash_blocks<T>(q(h), kernel_block<T>(k(h / group)), kernel_block<T>(v(h / group)), rule_of(h),
+                    FlashTiles{}, scratch, o(h), lse(h), bound_of(h));
+  });
+}
+
+/// `heads_forward` with a variant (`heads_variant_kernel`).
+template <class T, class S, class Variant>
+void heads_forward_variant(const char* function, const Tensor3<T>& Q, const Tensor3<S>& K,
+                           const Tensor3<S>& V, const Variant& variant,
+                           const AttentionOptions<T>& options, const HeadOptions<T>& per_head,
+                           Tensor3<T>& out) {
+  check_variant<Variant, T>();
+  check_heads(function, Q, K, V, options, per_head);
+  const Index heads = Q.dimension(0);
+  const Index n = Q.dimension(1);
+  const Index d_v = V.dimension(2);
+  if (out.dimension(0) != heads || out.dimension(1) != n || out.dimension(2) != d_v) {
+    out.resize(heads, n, d_v);
+  }
+  const Index d_k = Q.dimension(2);
+  const Index group = heads / K.dimension(0);
+  const ScoreRule<T> shared = make_rule(options, n, K.dimension(1), d_k);
+  heads_variant_kernel<T>(
+      heads, group, shared, per_head, variant, 0, [&](Index h) { return slice(Q, h); },
+      [&](Index kv) { return kv_slice<T>(K, kv); }, [&](Index kv) { return kv_slice<T>(V, kv); },
+      [&](Index h) { return slice(out, h); },
+      [&](Index kv) {
+        return Eigen::Map<const Matrix<T>>(Q.data() + kv * group * d_k, group, d_k);
+      },
+      [&](Index kv) { return Eigen::Map<Matrix<T>>(out.data() + kv * group * d_v, group, d_v); },
+      [](Index) -> T* { return nullptr; });
+}
+
 }  // namespace detail
 
 /// Attention over several heads at once, into caller storage.
@@ -307,6 +380,43 @@ Tensor3<T> attention_heads(const Tensor3<T>& Q, const Tensor3<T>& K, const Tenso
                            const HeadOptions<detail::identity_t<T>>& per_head = {}) {
   Tensor3<T> out;
   attention_heads(Q, K, V, options, per_head, out);
+  return out;
+}
+
+/// Attention over several heads with a variant (variant.hpp, docs/variants.md), into caller
+/// storage: as `flash_attention` with a variant, head by head, the variant seeing query head h as
+/// `ScoreAt::head` and its key/value head h / group as `kv_head` (`batch` 0). Every head runs on
+/// the tiled kernel, also one query (the decoding kernel takes no variant yet).
+/// \param Q         (heads, n, d_k): query heads, of T
+/// \param K         (kv_heads, m, d_k): key heads, of T, `Eigen::half` or `Eigen::bfloat16`
+/// \param V         (kv_heads, m, d_v): value heads, of K's scalar type
+/// \param variant   a variant (`is_variant_v`); `checked(variant)` checks every head's tiles first
+/// \param options   applied to every head (mask and bias are n x m, shared by the heads)
+/// \param per_head  values that differ per query head
+/// \param out       resized to (heads, n, d_v)
+/// \throws shape_error on mismatched shapes or invalid options.
+template <class T, class S, class Variant, std::enable_if_t<is_variant_v<Variant>, int> = 0>
+void attention_heads(const Tensor3<T>& Q, const Tensor3<S>& K, const Tensor3<S>& V,
+                     const Variant& variant, const AttentionOptions<detail::identity_t<T>>& options,
+                     const HeadOptions<detail::identity_t<T>>& per_head, Tensor3<T>& out) {
+  detail::heads_forward_variant<T>("attention_heads", Q, K, V, variant, options, per_head, out);
+}
+
+/// Attention over several heads with a variant (see the overload writing into caller storage).
+/// \param Q         (heads, n, d_k): query heads, of T
+/// \param K         (kv_heads, m, d_k): key heads, of T, `Eigen::half` or `Eigen::bfloat16`
+/// \param V         (kv_heads, m, d_v): value heads, of K's scalar type
+/// \param variant   a variant (`is_variant_v`)
+/// \param options   applied to every head
+/// \param per_head  values that differ per query head
+/// \returns (heads, n, d_v)
+template <class T, class S, class Variant, std::enable_if_t<is_variant_v<Variant>, int> = 0>
+Tensor3<T> attention_heads(const Tensor3<T>& Q, const Tensor3<S>& K, const Tensor3<S>& V,
+                           const Variant& variant,
+                           const AttentionOptions<detail::identity_t<T>>& options = {},
+                           const HeadOptions<detail::identity_t<T>>& per_head = {}) {
+  Tensor3<T> out;
+  attention_heads(Q, K, V, variant, options, per_head, out);
   return out;
 }
 

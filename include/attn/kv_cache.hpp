@@ -23,6 +23,7 @@
 #include "tensor.hpp"
 #include "threads.hpp"
 #include "types.hpp"
+#include "variant.hpp"
 
 namespace attn {
 
@@ -179,19 +180,42 @@ class KVCache {
   template <class DQ>
   void attend(const Eigen::MatrixBase<DQ>& Q_new, const AttentionOptions<T>& options,
               const HeadOptions<T>& per_head, Matrix<T>& out) const {
-    static_assert(std::is_same_v<typename DQ::Scalar, T>,
-                  "Q_new must have the cache's scalar type");
-    const char* function = "KVCache::attend";
-    const Index heads = check_queries(function, Q_new, options, per_head);
-    const Index first = first_query_position(options, Q_new.rows());
-    out.resize(Q_new.rows(), heads * config_.d_v);
-    if (config_.rope) {
-      Matrix<T> rotated = Q_new;
-      detail::rope_kernel<T>(rotated, config_.d_k, first, *config_.rope, rope_table_);
-      attend_rows(rotated, heads, options, per_head, first, out);
-    } else {
-      attend_rows(Q_new, heads, options, per_head, first, out);
-    }
+    attend_with(Q_new, static_cast<const detail::NoVariant*>(nullptr), options, per_head, out);
+  }
+
+  /// `attend` with a variant (variant.hpp, docs/variants.md), into caller storage: its score
+  /// modification and mask beside the options', the variant seeing each query and key at its
+  /// absolute position (`key_positions()`), query head h as `ScoreAt::head` and its key/value head
+  /// as `kv_head`. Every head runs on the tiled kernel, also one query (the decoding kernel takes
+  /// no variant yet).
+  /// \param Q_new     n x (heads d_k), query heads side by side, heads a multiple of kv_heads
+  /// \param variant   a variant (`is_variant_v`); `checked(variant)` checks every tile first
+  /// \param options   as for the overload without a variant
+  /// \param per_head  per-query-head slopes, sinks, (heads, n, size()) masks and biases
+  /// \param out       resized to n x (heads d_v)
+  /// \throws shape_error as the overload without a variant.
+  template <class DQ, class Variant, std::enable_if_t<is_variant_v<Variant>, int> = 0>
+  void attend(const Eigen::MatrixBase<DQ>& Q_new, const Variant& variant,
+              const AttentionOptions<T>& options, const HeadOptions<T>& per_head,
+              Matrix<T>& out) const {
+    check_variant<Variant, T>();
+    attend_with(Q_new, &variant, options, per_head, out);
+  }
+
+  /// `attend` with a variant, returning n x (heads d_v) (see the overload writing into caller
+  /// storage).
+  /// \param Q_new     n x (heads d_k), query heads side by side, heads a multiple of kv_heads
+  /// \param variant   a variant (`is_variant_v`)
+  /// \param options   as for the overload without a variant
+  /// \param per_head  per-query-head slopes, sinks, (heads, n, size()) masks and biases
+  /// \returns n x (heads d_v)
+  template <class DQ, class Variant, std::enable_if_t<is_variant_v<Variant>, int> = 0>
+  Matrix<T> attend(const Eigen::MatrixBase<DQ>& Q_new, const Variant& variant,
+                   const AttentionOptions<T>& options = {},
+                   const HeadOptions<T>& per_head = {}) const {
+    Matrix<T> out;
+    attend(Q_new, variant, options, per_head, out);
+    return out;
   }
 
   /// `attend` with options shared by every head, into caller storage.
@@ -330,6 +354,26 @@ class KVCache {
     return heads;
   }
 
+  /// `attend`, with a variant when `variant` is not null (Variant `NoVariant` without).
+  template <class DQ, class Variant>
+  void attend_with(const Eigen::MatrixBase<DQ>& Q_new, const Variant* variant,
+                   const AttentionOptions<T>& options, const HeadOptions<T>& per_head,
+                   Matrix<T>& out) const {
+    static_assert(std::is_same_v<typename DQ::Scalar, T>,
+                  "Q_new must have the cache's scalar type");
+    const char* function = "KVCache::attend";
+    const Index heads = check_queries(function, Q_new, options, per_head);
+    const Index first = first_query_position(options, Q_new.rows());
+    out.resize(Q_new.rows(), heads * config_.d_v);
+    if (config_.rope) {
+      Matrix<T> rotated = Q_new;
+      detail::rope_kernel<T>(rotated, config_.d_k, first, *config_.rope, rope_table_);
+      attend_rows(rotated, heads, variant, options, per_head, first, out);
+    } else {
+      attend_rows(Q_new, heads, variant, options, per_head, first, out);
+    }
+  }
+
   /// Scratch of one thread of the two-block (pinned + recent) path.
   struct MergeScratch {
     detail::PathScratch<T> path;
@@ -342,17 +386,22 @@ class KVCache {
   /// `key_positions()` order. The pinned rows and the recent rows are two blocks of that rule
   /// (the pinned block ignores the window); with both kept, each query head attends each block
   /// and the two partial results are merged by log-sum-exp, the sink added once.
-  void attend_rows(detail::ConstRef<T> Q, Index heads, const AttentionOptions<T>& options,
-                   const HeadOptions<T>& per_head, Index first, Matrix<T>& out) const {
+  /// With a variant (not null), every block runs on the tiled kernel with it.
+  template <class Variant>
+  void attend_rows(detail::ConstRef<T> Q, Index heads, const Variant* variant,
+                   const AttentionOptions<T>& options, const HeadOptions<T>& per_head, Index first,
+                   Matrix<T>& out) const {
     detail::with_codec<T>(config_.storage, [&](auto codec) {
-      attend_stored<decltype(codec)>(Q, heads, options, per_head, first, out);
+      attend_stored<decltype(codec)>(Q, heads, variant, options, per_head, first, out);
     });
   }
 
   /// `attend_rows` over keys and values stored by `Codec` (detail/stored.hpp).
-  template <class Codec>
-  void attend_stored(detail::ConstRef<T> Q, Index heads, const AttentionOptions<T>& options,
-                     const HeadOptions<T>& per_head, Index first, Matrix<T>& out) const {
+  template <class Codec, class Variant>
+  void attend_stored(detail::ConstRef<T> Q, Index heads, const Variant* variant,
+                     const AttentionOptions<T>& options, const HeadOptions<T>& per_head,
+                     Index first, Matrix<T>& out) const {
+    constexpr bool with_variant = !std::is_same_v<Variant, detail::NoVariant>;
     const Index n = Q.rows();
     if (n == 0) return;
     const Index d_k = config_.d_k;
@@ -384,19 +433,33 @@ class KVCache {
     };
     if (pinned == 0 || recent == 0) {  // one block of keys
       const bool only_pinned = recent == 0;
-      detail::heads_kernel<T>(
-          heads, group, only_pinned ? pinned_block(rule) : recent_block(rule), per_head, d_k, d_v,
-          q,
-          [&](Index kv) {
-            return only_pinned ? store_.template pinned_keys_as<Codec>(kv)
-                               : store_.template recent_keys_as<Codec>(kv);
-          },
-          [&](Index kv) {
-            return only_pinned ? store_.template pinned_values_as<Codec>(kv)
-                               : store_.template recent_values_as<Codec>(kv);
-          },
-          o, stacked_q, stacked_o);
+      const detail::ScoreRule<T> block = only_pinned ? pinned_block(rule) : recent_block(rule);
+      const auto keys = [&](Index kv) {
+        return only_pinned ? store_.template pinned_keys_as<Codec>(kv)
+                           : store_.template recent_keys_as<Codec>(kv);
+      };
+      const auto values = [&](Index kv) {
+        return only_pinned ? store_.template pinned_values_as<Codec>(kv)
+                           : store_.template recent_values_as<Codec>(kv);
+      };
+      if constexpr (with_variant) {
+        detail::heads_variant_kernel<T>(heads, group, block, per_head, *variant, 0, q, keys, values,
+                                        o, stacked_q, stacked_o,
+                                        [](Index) -> T* { return nullptr; });
+      } else {
+        detail::heads_kernel<T>(heads, group, block, per_head, d_k, d_v, q, keys, values, o,
+                                stacked_q, stacked_o);
+      }
       return;
+    }
+    if constexpr (detail::is_checked<Variant>::value) {
+      for (Index h = 0; h < heads; ++h) {
+        const detail::ScoreRule<T> head =
+            per_head.any() ? detail::head_rule(rule, per_head, h) : rule;
+        const detail::BoundVariant<Variant> bound{variant, 0, h, h / group};
+        detail::check_kernel_tiles<T>(pinned_block(head), FlashTiles{}, bound);
+        detail::check_kernel_tiles<T>(recent_block(head), FlashTiles{}, bound);
+      }
     }
     detail::parallel_for<MergeScratch>(heads, [&](Index h, MergeScratch& s) {
       const Index kv = h / group;
@@ -409,12 +472,26 @@ class KVCache {
       s.lse_pinned.resize(n);
       s.lse.resize(n);
       Eigen::Ref<Matrix<T>> o_h = out.middleCols(h * d_v, d_v);
-      detail::run_path<T>(
-          detail::choose_path(a, d_k, d_v, false), q(h), store_.template pinned_keys_as<Codec>(kv),
-          store_.template pinned_values_as<Codec>(kv), a, s.path, s.o_pinned, s.lse_pinned.data());
-      detail::run_path<T>(
-          detail::choose_path(b, d_k, d_v, false), q(h), store_.template recent_keys_as<Codec>(kv),
-          store_.template recent_values_as<Codec>(kv), b, s.path, o_h, s.lse.data());
+      if constexpr (with_variant) {
+        const detail::BoundVariant<Variant> bound{variant, 0, h, kv};
+        detail::flash_blocks<T>(
+            q(h), detail::kernel_block<T>(store_.template pinned_keys_as<Codec>(kv)),
+            detail::kernel_block<T>(store_.template pinned_values_as<Codec>(kv)), a, FlashTiles{},
+            s.path.flash, s.o_pinned, s.lse_pinned.data(), bound);
+        detail::flash_blocks<T>(
+            q(h), detail::kernel_block<T>(store_.template recent_keys_as<Codec>(kv)),
+            detail::kernel_block<T>(store_.template recent_values_as<Codec>(kv)), b, FlashTiles{},
+            s.path.flash, o_h, s.lse.data(), bound);
+      } else {
+        detail::run_path<T>(detail::choose_path(a, d_k, d_v, false), q(h),
+                            store_.template pinned_keys_as<Codec>(kv),
+                            store_.template pinned_values_as<Codec>(kv), a, s.path, s.o_pinned,
+                            s.lse_pinned.data());
+        detail::run_path<T>(detail::choose_path(b, d_k, d_v, false), q(h),
+                            store_.template recent_keys_as<Codec>(kv),
+                            store_.template recent_values_as<Codec>(kv), b, s.path, o_h,
+                            s.lse.data());
+      }
       for (Index i = 0; i < n; ++i) {
         detail::merge_partial<T>(o_h.row(i), s.lse(i), s.o_pinned.row(i), s.lse_pinned(i));
         detail::merge_sink<T>(o_h.row(i), s.lse(i), sink);

@@ -304,12 +304,13 @@ long double naive_variant_score(const Variant& variant, long double s, const att
 /// variant's score (variant.hpp; none by default) -> softcap `c tanh(s / c)` -> `+ bias` and
 /// `- slope |i + shift - j|` -> mask (causal, window, `mask`, the variant's) -> softmax with the
 /// optional sink in the denominator -> `weights V`. A row that may attend nothing gets zero
-/// weights and a zero output. The variant sees query i at position i + shift, key j at j.
+/// weights and a zero output. The variant sees query i at position i + shift, key j at j, in
+/// query head `head` over key/value head `kv_head`.
 template <class T, class DQ, class DK, class DV, class Variant = attn::detail::NoVariant>
 NaiveAttention naive_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                const Eigen::MatrixBase<DV>& V,
                                const attn::AttentionOptions<T>& options = {},
-                               const Variant& variant = {}) {
+                               const Variant& variant = {}, Index head = 0, Index kv_head = 0) {
   const Index n = Q.rows();
   const Index m = K.rows();
   const Index d = Q.cols();
@@ -326,6 +327,8 @@ NaiveAttention naive_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matr
       for (Index k = 0; k < d; ++k) dot += detail::to_ld(Q(i, k)) * detail::to_ld(K(j, k));
       long double s = scale * dot;
       attn::ScoreAt at;
+      at.head = head;
+      at.kv_head = kv_head;
       at.query = at.query_in_sequence = i + shift;
       at.key = at.key_in_sequence = j;
       s = naive_variant_score<T>(variant, s, at);

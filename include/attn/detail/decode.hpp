@@ -12,9 +12,12 @@
 
 #include "../simd.hpp"
 #include "../types.hpp"
+#include "../variant.hpp"
+#include "exact_rows.hpp"
 #include "online_softmax.hpp"
 #include "score_rule.hpp"
 #include "stored.hpp"
+#include "variant_tiles.hpp"
 
 namespace attn {
 namespace detail {
@@ -551,10 +554,61 @@ const T* block_scales(const Block& B) {
   }
 }
 
+/// Where a decoding step's variant acts: `bound` binds row 0 (its query head and the group's
+/// key/value head; row r is query head `bound.head + r`), `query` is the query's position and
+/// `first_key` the position of the block's first key.
+template <class V>
+struct DecodeVariant {
+  BoundVariant<V> bound;
+  Index query = 0;
+  Index first_key = 0;
+  BoundVariant<V> row(Index r) const {
+    BoundVariant<V> b = bound;
+    b.head += r;
+    return b;
+  }
+  /// The positions as a rule's (query 0 at `query`, key column 0 at `first_key`).
+  template <class T>
+  ScoreRule<T> place() const {
+    ScoreRule<T> rule;
+    rule.n = 1;
+    rule.q_position = query;
+    rule.k_position = first_key;
+    return rule;
+  }
+};
+
+/// The two steps of a variant on a decoding tile: its score (before the rule's softcap) and its
+/// mask (after it).
+enum class VariantStep { Score, Mask };
+
+/// One step of the variant on rows [h0, h0 + rows) of a tile of scaled scores (key columns
+/// [j0, j0 + cols)), row r at query head `h0 + r` of the group; nothing without a variant.
+template <VariantStep step, class T, class V>
+void decode_variant(const DecodeVariant<V>& variant, T* s, Index s_stride, Index h0, Index rows,
+                    Index j0, Index cols) {
+  constexpr bool acts = step == VariantStep::Score ? variant_scores_v<V> : variant_masks_v<V>;
+  if constexpr (acts) {
+    const ScoreRule<T> place = variant.template place<T>();
+    for (Index r = 0; r < rows; ++r) {
+      T* row = s + r * s_stride;
+      if constexpr (step == VariantStep::Score) {
+        variant_scores<T>(variant.row(h0 + r), place, row, s_stride, 0, 1, j0, cols);
+      } else {
+        variant_mask_tile<T>(variant.row(h0 + r), place, row, s_stride, 0, 1, j0, cols);
+      }
+    }
+  } else {
+    static_cast<void>(variant), static_cast<void>(s), static_cast<void>(s_stride);
+    static_cast<void>(h0), static_cast<void>(rows), static_cast<void>(j0), static_cast<void>(cols);
+  }
+}
+
 /// One tile for the heads [h0, h0 + G): scores, online-softmax update, values.
-template <class T, std::size_t G, class KBlock, class VBlock>
+template <class T, std::size_t G, class KBlock, class VBlock, class Variant = NoVariant>
 void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index cols,
-                 const ScoreRule<T>& rule, DecodeScratch<T>& scratch) {
+                 const ScoreRule<T>& rule, DecodeScratch<T>& scratch,
+                 const DecodeVariant<Variant>& variant = {}) {
   using KCodec = codec_of_t<KBlock, T>;
   using VCodec = codec_of_t<VBlock, T>;
   constexpr Index lanes = decode_lanes<T>;
@@ -613,7 +667,13 @@ void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index col
                              scales ? scales + done : nullptr, K.outerStride(), cols - done, d_k,
                              s + done, s_stride, values_ahead.rest(done));
   }
+  if constexpr (is_variant_v<Variant>) {
+    decode_variant<VariantStep::Score>(variant, s, s_stride, h0, Index(G), j0, cols);
+  }
   rule.apply_softcap(scratch.s.block(h0, 0, Index(G), cols));
+  if constexpr (is_variant_v<Variant>) {
+    decode_variant<VariantStep::Mask>(variant, s, s_stride, h0, Index(G), j0, cols);
+  }
 
   // 2. Online softmax (detail/online_softmax.hpp); the running output is rescaled by alpha in
   //    step 3 (o' = alpha o + sum_j p_j V_j). Int8 values: p_j times the row's scale.
@@ -649,6 +709,38 @@ void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index col
   }
 }
 
+/// The rows of a decoding step with a variant whose output is not finite, recomputed key by key
+/// (`exact_row`) by the step's scale, softcap and sink, each row at its query head.
+template <class T, class KBlock, class VBlock, class Variant>
+void repair_decode_rows(ConstRef<T> q, const KBlock& K, const VBlock& V, const ScoreRule<T>& rule,
+                        Eigen::Ref<Matrix<T>> o, T* lse, const DecodeVariant<Variant>& variant) {
+  ScoreRule<T> one;  // one query against every key of the block, nothing else of the call's rule
+  one.n = 1;
+  one.m = K.rows();
+  one.scale = rule.scale;
+  one.softcap = rule.softcap;
+  one.sink = rule.sink;
+  one.q_position = variant.query;
+  one.k_position = variant.first_key;
+  Matrix<T> K_wide, V_wide;
+  const auto widened = [](const auto& block, Matrix<T>& wide) -> ConstRef<T> {
+    if constexpr (std::is_same_v<codec_of_t<std::decay_t<decltype(block)>, T>, SameCodec<T>>) {
+      return block;
+    } else {
+      block.widen_into(wide);
+      return wide;
+    }
+  };
+  const ConstRef<T> K_rows = widened(K, K_wide);
+  const ConstRef<T> V_rows = widened(V, V_wide);
+  for (Index r = 0; r < o.rows(); ++r) {
+    if (!std::isfinite(o.row(r).sum())) {
+      exact_row<T>(q.middleRows(r, 1), K_rows, V_rows, one, 0, o.row(r), lse ? lse + r : nullptr,
+                   variant.row(r));
+    }
+  }
+}
+
 /// Whether `decode_kernel` takes its SIMD path: widths that are whole packets.
 template <class T>
 bool decode_vectorised(Index d_k, Index d_v) {
@@ -662,10 +754,13 @@ bool decode_vectorised(Index d_k, Index d_v) {
 /// the rule only the scale, softcap and sink are used. Passes, per tile of 64 keys and per 4
 /// (then 2, 1) query heads: scores (`decode_scores`), the online-softmax update, values
 /// (`decode_values`); finally o / l, guarded. Widths that are not whole packets go through
-/// Eigen's lazy products instead (stored tiles widened first).
-template <class T, class KBlock, class VBlock>
+/// Eigen's lazy products instead (stored tiles widened first). With a variant, its score and mask
+/// act on every tile (the keys it forbids get weight 0), and a row that comes out not finite is
+/// recomputed key by key (`exact_row`), so a forbidden key's NaN never reaches it.
+template <class T, class KBlock, class VBlock, class Variant = NoVariant>
 void decode_blocks(ConstRef<T> q, const KBlock& K, const VBlock& V, const ScoreRule<T>& rule,
-                   DecodeScratch<T>& scratch, Eigen::Ref<Matrix<T>> o, T* lse) {
+                   DecodeScratch<T>& scratch, Eigen::Ref<Matrix<T>> o, T* lse,
+                   const DecodeVariant<Variant>& variant = {}) {
   constexpr Index tile = 64;
   const Index g = q.rows();
   scratch.q_scaled.noalias() = rule.scale * q;
@@ -727,25 +822,40 @@ void decode_blocks(ConstRef<T> q, const KBlock& K, const VBlock& V, const ScoreR
     const Index cols = std::min(tile, K.rows() - j0);
     if (vectorised) {
       Index h0 = 0;
-      for (; h0 + 4 <= g; h0 += 4) decode_tile<T, 4>(h0, K, V, j0, cols, rule, scratch);
-      for (; h0 + 2 <= g; h0 += 2) decode_tile<T, 2>(h0, K, V, j0, cols, rule, scratch);
-      for (; h0 < g; ++h0) decode_tile<T, 1>(h0, K, V, j0, cols, rule, scratch);
+      for (; h0 + 4 <= g; h0 += 4) decode_tile<T, 4>(h0, K, V, j0, cols, rule, scratch, variant);
+      for (; h0 + 2 <= g; h0 += 2) decode_tile<T, 2>(h0, K, V, j0, cols, rule, scratch, variant);
+      for (; h0 < g; ++h0) decode_tile<T, 1>(h0, K, V, j0, cols, rule, scratch, variant);
       continue;
     }
     Eigen::Ref<Matrix<T>> s = scratch.s.leftCols(cols);
     if constexpr (std::is_same_v<codec_of_t<KBlock, T>, SameCodec<T>>) {
       s.noalias() = scratch.q_scaled.lazyProduct(K.middleRows(j0, cols).transpose());
+      if constexpr (is_variant_v<Variant>) {
+        decode_variant<VariantStep::Score>(variant, s.data(), s.outerStride(), 0, g, j0, cols);
+      }
       rule.apply_softcap(s);
+      if constexpr (is_variant_v<Variant>) {
+        decode_variant<VariantStep::Mask>(variant, s.data(), s.outerStride(), 0, g, j0, cols);
+      }
       scratch.state.step(s, V.middleRows(j0, cols));
     } else {
       K.middleRows(j0, cols).widen_into(scratch.k_wide);
       V.middleRows(j0, cols).widen_into(scratch.v_wide);
       s.noalias() = scratch.q_scaled.lazyProduct(scratch.k_wide.transpose());
+      if constexpr (is_variant_v<Variant>) {
+        decode_variant<VariantStep::Score>(variant, s.data(), s.outerStride(), 0, g, j0, cols);
+      }
       rule.apply_softcap(s);
+      if constexpr (is_variant_v<Variant>) {
+        decode_variant<VariantStep::Mask>(variant, s.data(), s.outerStride(), 0, g, j0, cols);
+      }
       scratch.state.step(s, scratch.v_wide);
     }
   }
   scratch.state.finish(o, lse);
+  if constexpr (variant_masks_v<Variant>) {
+    if (!std::isfinite(o.sum())) repair_decode_rows<T>(q, K, V, rule, o, lse, variant);
+  }
 }
 
 /// `decode_blocks` over keys and values of T.

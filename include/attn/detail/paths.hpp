@@ -141,6 +141,32 @@ struct DecodeParts {
   std::vector<Vector<T>> lse;  ///< per (group, part): rows
 };
 
+/// The key columns of `keys` that a decoding step's rows may see by a variant's ranges (their hull
+/// over the `groups` x `rows` stacked query heads; `variant` binds row 0 of group 0): the step
+/// never reads the others. `keys` itself for a variant without ranges.
+template <class T, class Variant>
+KeyRange decode_variant_keys(const BoundVariant<Variant>& variant, const ScoreRule<T>& rule,
+                             KeyRange keys, Index groups, Index rows) {
+  if constexpr (variant_ranges_v<Variant>) {
+    Index begin = keys.end;
+    Index end = keys.begin;
+    for (Index h = 0; h < groups * rows; ++h) {
+      BoundVariant<Variant> row = variant;
+      row.head += h;
+      row.kv_head += h / rows;
+      const KeyRange seen = variant_columns<T>(row, rule, keys, 0, 1);
+      if (seen.begin >= seen.end) continue;
+      begin = std::min(begin, seen.begin);
+      end = std::max(end, seen.end);
+    }
+    return begin < end ? KeyRange{begin, end} : KeyRange{keys.begin, keys.begin};
+  } else {
+    static_cast<void>(variant), static_cast<void>(rule), static_cast<void>(groups);
+    static_cast<void>(rows);
+    return keys;
+  }
+}
+
 /// One decoding step of `groups` groups of stacked query rows, each over its own keys, by one rule
 /// of key ranges and scalars (the decoding path of `choose_path`). Shape contract: q(g) rows x
 /// d_k, k(g) m x d_k, v(g) m x d_v, o(g) rows x d_v (functions returning views). A visible range of
@@ -150,21 +176,30 @@ struct DecodeParts {
 /// key/value head, one query) uses every thread, and the result does not depend on their number.
 /// A step of less work than `team_flops` runs on the calling thread. Each thread keeps its scratch
 /// between calls (`KeptScratch`), and the calling thread the partial results: a repeated step of
-/// the same shapes allocates nothing.
-template <class T, class QGroup, class KGroup, class VGroup, class OGroup>
+/// the same shapes allocates nothing. With a variant, `variant` binds row 0 of group 0; row r of
+/// group g is query head `variant.head + g rows + r` over key/value head `variant.kv_head + g`.
+template <class T, class QGroup, class KGroup, class VGroup, class OGroup,
+          class Variant = NoVariant>
 void decode_groups(Index groups, const ScoreRule<T>& rule, const QGroup& q, const KGroup& k,
-                   const VGroup& v, const OGroup& o) {
-  const KeyRange keys = rule.keys(0);
-  const Index m = keys.end - keys.begin;
-  const Index parts = std::max<Index>(1, (m + decode_part_keys - 1) / decode_part_keys);
+                   const VGroup& v, const OGroup& o, const BoundVariant<Variant>& variant = {}) {
   if (groups == 0) return;
   const Index rows = q(0).rows();  // per group
+  const KeyRange keys = decode_variant_keys<T>(variant, rule, rule.keys(0), groups, rows);
+  const Index m = keys.end - keys.begin;
+  const Index parts = std::max<Index>(1, (m + decode_part_keys - 1) / decode_part_keys);
+  // The variant of group g over the keys from column j0 on.
+  const auto variant_of = [&](Index g, Index j0) {
+    DecodeVariant<Variant> bound{variant, rule.q_position, rule.k_position + j0};
+    bound.bound.head += g * rows;
+    bound.bound.kv_head += g;
+    return bound;
+  };
   if (parts == 1) {
     const double flops = double(groups) * attention_flops(rows, m, k(0).cols(), v(0).cols());
     parallel_for<KeptScratch<DecodeScratch<T>>>(groups, flops, [&](Index g, auto& kept) {
       decode_blocks<T>(q(g), kernel_block<T>(k(g).middleRows(keys.begin, m)),
                        kernel_block<T>(v(g).middleRows(keys.begin, m)), rule, kept.get(), o(g),
-                       nullptr);
+                       nullptr, variant_of(g, keys.begin));
     });
     return;
   }
@@ -187,7 +222,7 @@ void decode_groups(Index groups, const ScoreRule<T>& rule, const QGroup& q, cons
     store.lse[i].resize(q(g).rows());
     decode_blocks<T>(q(g), kernel_block<T>(k(g).middleRows(j0, cols)),
                      kernel_block<T>(v(g).middleRows(j0, cols)), part_rule, kept.get(), store.o[i],
-                     store.lse[i].data());
+                     store.lse[i].data(), variant_of(g, j0));
   });
   const double merge_flops = 4.0 * double(groups * parts * rows) * double(v(0).cols());
   parallel_for<KeptScratch<Vector<T>>>(groups, merge_flops, [&](Index g, auto& kept) {
