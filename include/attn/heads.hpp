@@ -385,8 +385,8 @@ Tensor3<T> attention_heads(const Tensor3<T>& Q, const Tensor3<T>& K, const Tenso
 
 /// Attention over several heads with a variant (variant.hpp, docs/variants.md), into caller
 /// storage: as `flash_attention` with a variant, head by head, the variant seeing query head h as
-/// `ScoreAt::head` and its key/value head h / group as `kv_head` (`batch` 0). Every head runs on
-/// the tiled kernel, also one query (the decoding kernel takes no variant yet).
+/// `ScoreAt::head` and its key/value head h / group as `kv_head` (`batch` 0). One query without
+/// tables runs the decoding kernel (the query heads of a group stacked), the rest the tiled one.
 /// \param Q         (heads, n, d_k): query heads, of T
 /// \param K         (kv_heads, m, d_k): key heads, of T, `Eigen::half` or `Eigen::bfloat16`
 /// \param V         (kv_heads, m, d_v): value heads, of K's scalar type

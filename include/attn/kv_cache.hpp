@@ -186,8 +186,8 @@ class KVCache {
   /// `attend` with a variant (variant.hpp, docs/variants.md), into caller storage: its score
   /// modification and mask beside the options', the variant seeing each query and key at its
   /// absolute position (`key_positions()`), query head h as `ScoreAt::head` and its key/value head
-  /// as `kv_head`. Every head runs on the tiled kernel, also one query (the decoding kernel takes
-  /// no variant yet).
+  /// as `kv_head`. One query over one block of keys runs the decoding kernel (as
+  /// `attention_heads`); pinned and recent blocks together run the tiled kernel per block.
   /// \param Q_new     n x (heads d_k), query heads side by side, heads a multiple of kv_heads
   /// \param variant   a variant (`is_variant_v`); `checked(variant)` checks every tile first
   /// \param options   as for the overload without a variant
@@ -386,7 +386,8 @@ class KVCache {
   /// `key_positions()` order. The pinned rows and the recent rows are two blocks of that rule
   /// (the pinned block ignores the window); with both kept, each query head attends each block
   /// and the two partial results are merged by log-sum-exp, the sink added once.
-  /// With a variant (not null), every block runs on the tiled kernel with it.
+  /// With a variant (not null): one block as `heads_variant_kernel` runs it, two blocks each on
+  /// the tiled kernel with it.
   template <class Variant>
   void attend_rows(detail::ConstRef<T> Q, Index heads, const Variant* variant,
                    const AttentionOptions<T>& options, const HeadOptions<T>& per_head, Index first,
