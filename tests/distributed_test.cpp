@@ -412,6 +412,127 @@ TYPED_TEST(RingAttention, Backward) {
   check_backward_case<T>("causal, 5 tokens", 5, 5, 8, 8, causal, true, 39);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Variants: each rank's key block is the same variant at its own key positions.
+
+/// Worst |got - want| over max |whole| (0 when got is empty).
+template <class T>
+double within(const Matrix<T>& got, const Matrix<T>& want, const Matrix<T>& whole) {
+  if (got.size() == 0) return 0.0;
+  return static_cast<double>((got - want).cwiseAbs().maxCoeff()) /
+         std::max(1e-300, static_cast<double>(whole.cwiseAbs().maxCoeff()));
+}
+
+/// `ring_attention` and `ring_attention_backward` with `variant` against `flash_attention` and
+/// `attention_backward` with it on the whole sequence; the learned table's gradient (when the
+/// variant learns) the same on every rank and equal to the whole sequence's.
+template <class T, class V>
+void check_variant_case(const std::string& name, const V& variant, Index N,
+                        const attn::AttentionOptions<T>& options, bool with_empty,
+                        std::uint32_t seed) {
+  SCOPED_TRACE(name + " on " + std::to_string(world_size()) + " ranks");
+  const Index d = 16;
+  std::mt19937 rng(seed);
+  const Matrix<T> Q = random_matrix<T>(N, d, rng);
+  const Matrix<T> K = random_matrix<T>(N, d, rng);
+  const Matrix<T> Vv = random_matrix<T>(N, d, rng);
+  const Matrix<T> dO = random_matrix<T>(N, d, rng);
+  const Matrix<T> reference = attn::flash_attention(Q, K, Vv, variant, options);
+  attn::AttentionGrads<T> whole;
+  typename attn::detail::GradientOf<V>::type dtable_whole{}, dtable{};
+  if constexpr (attn::variant_learns_v<V>) {
+    attn::attention_backward(Q, K, Vv, dO, variant, options, whole, dtable_whole);
+  } else {
+    attn::attention_backward(Q, K, Vv, dO, variant, options, whole);
+  }
+  const auto [q0, n, k0, m] = rank_rows(N, N, with_empty);
+  const Matrix<T> Q_r = Q.middleRows(q0, n), K_r = K.middleRows(k0, m), V_r = Vv.middleRows(k0, m);
+  attn::Vector<T> lse;
+  const Matrix<T> out = attn::ring_attention(MPI_COMM_WORLD, Q_r, K_r, V_r, variant, options, lse);
+  ASSERT_EQ(out.rows(), n);
+  EXPECT_LE(within<T>(out, reference.middleRows(q0, n), reference), tolerance<T>()) << "output";
+  const attn::AttentionGrads<T> grads = attn::ring_attention_backward(
+      MPI_COMM_WORLD, Q_r, K_r, V_r, out, lse, Matrix<T>(dO.middleRows(q0, n)), variant, options,
+      attn::variant_learns_v<V> ? &dtable : nullptr);
+  EXPECT_LE(within<T>(grads.dQ, whole.dQ.middleRows(q0, n), whole.dQ), tolerance<T>()) << "dQ";
+  EXPECT_LE(within<T>(grads.dK, whole.dK.middleRows(k0, m), whole.dK), tolerance<T>()) << "dK";
+  EXPECT_LE(within<T>(grads.dV, whole.dV.middleRows(k0, m), whole.dV), tolerance<T>()) << "dV";
+  if constexpr (attn::variant_learns_v<V>) {
+    EXPECT_LE(within<T>(dtable, dtable_whole, dtable_whole), tolerance<T>()) << "the table";
+    // The same bits on every rank: rank 0's table, broadcast, equals this rank's.
+    Matrix<T> first = dtable;
+    MPI_Bcast(first.data(), static_cast<int>(first.size()), attn::detail::mpi_datatype<T>(), 0,
+              MPI_COMM_WORLD);
+    EXPECT_TRUE((first.array() == dtable.array()).all()) << "the table differs between ranks";
+  }
+}
+
+TYPED_TEST(RingAttention, DocumentMask) {
+  using T = TypeParam;
+  // Documents of ragged sizes, one of a single token; causal inside each.
+  const attn::DocumentMask documents({0, 40, 41, 100, 157}, true);
+  attn::AttentionOptions<T> causal;
+  causal.causal = attn::Causal::BottomRight;  // the zigzag deal: rows away from their home
+  check_variant_case<T>("documents, causal (zigzag)", documents, 157, causal, true, 41);
+  check_variant_case<T>("documents, no causal option (home layout)", documents, 157, {}, false, 42);
+  attn::AttentionOptions<T> softcap = causal;
+  softcap.softcap = T(6);
+  check_variant_case<T>("documents and a prefix-LM, softcap",
+                        attn::both(attn::DocumentMask({0, 60, 130}, false), attn::PrefixLM{20}),
+                        130, softcap, false, 43);
+  attn::T5Bias<T> t5(1, 16, 64, false);
+  std::mt19937 rng(44);
+  t5.table() = random_matrix<T>(1, 16, rng);
+  check_variant_case<T>("documents and a learned T5 table", attn::both(documents, t5), 157, causal,
+                        true, 45);
+}
+
+TYPED_TEST(RingAttention, HeadsWithAVariant) {
+  using T = TypeParam;
+  const Index h_q = 4, h_kv = 2, N = 90, d = 8;
+  std::mt19937 rng(46);
+  attn::Tensor3<T> Q(h_q, N, d), K(h_kv, N, d), V(h_kv, N, d), dO(h_q, N, d);
+  for (auto* X : {&Q, &K, &V, &dO}) {
+    std::normal_distribution<double> normal(0.0, 1.0);
+    for (Index k = 0; k < X->size(); ++k) X->data()[k] = static_cast<T>(normal(rng));
+  }
+  attn::T5Bias<T> t5(h_q, 8, 32, true);  // head h reads row h
+  t5.table() = random_matrix<T>(h_q, 8, rng);
+  const auto variant = attn::both(attn::DocumentMask({0, 30, 90}, false), t5);
+  attn::AttentionOptions<T> options;
+  options.causal = attn::Causal::BottomRight;
+  const attn::Tensor3<T> reference = attn::attention_heads(Q, K, V, variant, options);
+  attn::HeadGrads<T> whole;
+  Matrix<T> dtable_whole, dtable;
+  attn::attention_heads_backward(Q, K, V, dO, variant, options, {}, whole, dtable_whole);
+  const std::vector<Index> counts = uneven_split(N, world_size(), true);
+  const Index q0 = first_row(counts, world_rank());
+  const Index n = counts[static_cast<std::size_t>(world_rank())];
+  const auto rows = [&](const attn::Tensor3<T>& X) {
+    attn::Tensor3<T> part(X.dimension(0), n, X.dimension(2));
+    for (Index h = 0; h < X.dimension(0); ++h) {
+      for (Index i = 0; i < n; ++i) {
+        for (Index j = 0; j < X.dimension(2); ++j) part(h, i, j) = X(h, q0 + i, j);
+      }
+    }
+    return part;
+  };
+  const auto flat = [](const attn::Tensor3<T>& X) {
+    return Matrix<T>(
+        Eigen::Map<const Matrix<T>>(X.data(), X.dimension(0) * X.dimension(1), X.dimension(2)));
+  };
+  Matrix<T> lse;
+  const attn::Tensor3<T> out =
+      attn::ring_attention(MPI_COMM_WORLD, rows(Q), rows(K), rows(V), variant, options, lse);
+  EXPECT_LE(within<T>(flat(out), flat(rows(reference)), flat(reference)), tolerance<T>());
+  const attn::HeadGrads<T> grads = attn::ring_attention_backward(
+      MPI_COMM_WORLD, rows(Q), rows(K), rows(V), out, lse, rows(dO), variant, options, &dtable);
+  EXPECT_LE(within<T>(flat(grads.dQ), flat(rows(whole.dQ)), flat(whole.dQ)), tolerance<T>());
+  EXPECT_LE(within<T>(flat(grads.dK), flat(rows(whole.dK)), flat(whole.dK)), tolerance<T>());
+  EXPECT_LE(within<T>(flat(grads.dV), flat(rows(whole.dV)), flat(whole.dV)), tolerance<T>());
+  EXPECT_LE(within<T>(dtable, dtable_whole, dtable_whole), tolerance<T>());
+}
+
 TEST(RingAttentionSchedule, CausalDealsRowsOutAndSkipsBlocksAboveTheDiagonal) {
   const Index N = 256;
   std::mt19937 rng(19);

@@ -11,6 +11,8 @@
 #include <attn/flash.hpp>
 #include <attn/heads.hpp>
 #include <attn/kv_cache.hpp>
+#include <attn/multi_head.hpp>
+#include <attn/tensor.hpp>
 #include <attn/threads.hpp>
 #include <attn/variant.hpp>
 #include <cmath>
@@ -799,13 +801,23 @@ TEST(T5Bias, TheTablesGradientHasTheSameBitsForAnyThreadCount) {
 
 /// A score and a mask that differ per head: s (1 + 0.2 head) + 0.1 kv_head (key mod 3), and each
 /// query head h sees the keys up to h places after the query.
+/// With `head` >= 0, the variant as head `head` over key/value head `kv_head` sees it whatever
+/// head calls it (the one-head reference of a call over many heads).
 struct PerHead {
+  Index head = -1;
+  Index kv_head = -1;
+  Index head_of(const ScoreAt& at) const { return head >= 0 ? head : at.head; }
+  Index kv_head_of(const ScoreAt& at) const { return head >= 0 ? kv_head : at.kv_head; }
   template <class T>
   T score(T s, const ScoreAt& at) const {
-    return s * (T(1) + T(0.2) * static_cast<T>(at.head)) +
-           T(0.1) * static_cast<T>(at.kv_head) * static_cast<T>(at.key % 3);
+    return s * (T(1) + T(0.2) * static_cast<T>(head_of(at))) +
+           T(0.1) * static_cast<T>(kv_head_of(at)) * static_cast<T>(at.key % 3);
   }
-  bool allowed(const ScoreAt& at) const { return at.key <= at.query + at.head; }
+  template <class T>
+  T dscore(T, const ScoreAt& at) const {
+    return T(1) + T(0.2) * static_cast<T>(head_of(at));
+  }
+  bool allowed(const ScoreAt& at) const { return at.key <= at.query + head_of(at); }
 };
 
 /// (heads, rows, cols) of uniform entries.
@@ -922,6 +934,110 @@ TEST(VariantHeads, StoredKeysAndValuesAndTheThreadCount) {
   EXPECT_THROW(attn::attention_heads(Q, K3, K3, variant, options), attn::shape_error);
 }
 
+/// Claims every tile is Full while forbidding odd keys.
+struct OddKeysCalledFull {
+  bool allowed(const ScoreAt& at) const { return at.key % 2 == 0; }
+  TileKind tile(const TileAt&) const { return TileKind::Full; }
+};
+
+/// attention_heads_backward with `variant` (4 query heads over 2 key/value heads) against
+/// attention_backward of each head alone with `alone(h, kv)`, the variant as head h sees it:
+/// dQ per head, dK and dV summed over a key/value head's query heads in head order.
+template <class V, class Alone>
+void expect_heads_backward_is_each_heads(const V& variant, const Alone& alone,
+                                         const attn::AttentionOptions<double>& options,
+                                         const std::string& name) {
+  std::mt19937 rng(45);
+  const Index heads = 4, kv_heads = 2, n = 37, d = 8, d_v = 5;
+  const attn::Tensor3<double> Q = random_tensor(heads, n, d, rng);
+  const attn::Tensor3<double> K = random_tensor(kv_heads, n, d, rng);
+  const attn::Tensor3<double> Vv = random_tensor(kv_heads, n, d_v, rng);
+  const attn::Tensor3<double> dO = random_tensor(heads, n, d_v, rng);
+  const attn::HeadGrads<double> got =
+      attn::attention_heads_backward(Q, K, Vv, dO, variant, options);
+  attn::Matrix<double> dK[2], dV[2];
+  for (Index h = 0; h < heads; ++h) {
+    const Index kv = h / 2;
+    const attn::AttentionGrads<double> want = attn::attention_backward(
+        attn::detail::slice(Q, h), attn::detail::slice(K, kv), attn::detail::slice(Vv, kv),
+        attn::detail::slice(dO, h), alone(h, kv), options);
+    EXPECT_TRUE(attn_test::near(attn::detail::slice(got.dQ, h), want.dQ, 1e-13, 1e-14))
+        << name << ", dQ of head " << h;
+    dK[kv] = h % 2 == 0 ? want.dK : attn::Matrix<double>(dK[kv] + want.dK);
+    dV[kv] = h % 2 == 0 ? want.dV : attn::Matrix<double>(dV[kv] + want.dV);
+  }
+  for (Index kv = 0; kv < kv_heads; ++kv) {
+    EXPECT_TRUE(attn_test::near(attn::detail::slice(got.dK, kv), dK[kv], 1e-13, 1e-14))
+        << name << ", dK of key/value head " << kv;
+    EXPECT_TRUE(attn_test::near(attn::detail::slice(got.dV, kv), dV[kv], 1e-13, 1e-14))
+        << name << ", dV of key/value head " << kv;
+  }
+}
+
+TEST(VariantHeads, TheBackwardIsEachHeadsBackward) {
+  attn::AttentionOptions<double> causal;
+  causal.causal = attn::Causal::BottomRight;
+  causal.softcap = 3.0;
+  expect_heads_backward_is_each_heads(
+      PerHead{},
+      [](Index h, Index kv) {
+        return PerHead{h, kv};
+      },
+      {}, "per-head score and mask");
+  expect_heads_backward_is_each_heads(
+      attn::both(attn::DocumentMask({0, 10, 37}, true), PerHead{}),
+      [](Index h, Index kv) {
+        return attn::both(attn::DocumentMask({0, 10, 37}, true), PerHead{h, kv});
+      },
+      causal, "documents and per-head, causal with softcap");
+}
+
+TEST(VariantHeads, TheBackwardGivesEachHeadsRowOfALearnedTable) {
+  // T5Bias of 4 heads: head h reads and learns row h of the table, so the heads' gradient is row
+  // by row the gradient of head h alone with a one-head table holding row h.
+  std::mt19937 rng(46);
+  const Index heads = 4, kv_heads = 2, n = 70, d = 8;
+  attn::T5Bias<double> t5(heads, 8, 16, true);
+  t5.table() = attn_test::random_matrix<double>(heads, 8, rng);
+  const attn::DocumentMask documents({0, 30, 70}, true);
+  const attn::Tensor3<double> Q = random_tensor(heads, n, d, rng);
+  const attn::Tensor3<double> K = random_tensor(kv_heads, n, d, rng);
+  const attn::Tensor3<double> Vv = random_tensor(kv_heads, n, d, rng);
+  const attn::Tensor3<double> dO = random_tensor(heads, n, d, rng);
+  attn::HeadGrads<double> grads;
+  attn::Matrix<double> dtable;
+  attn::attention_heads_backward(Q, K, Vv, dO, attn::both(documents, t5), {}, {}, grads, dtable);
+  ASSERT_EQ(dtable.rows(), heads);
+  for (Index h = 0; h < heads; ++h) {
+    attn::T5Bias<double> row(1, 8, 16, true);
+    row.table() = t5.table().row(h);
+    attn::AttentionGrads<double> alone;
+    attn::Matrix<double> drow;
+    attn::attention_backward(attn::detail::slice(Q, h), attn::detail::slice(K, h / 2),
+                             attn::detail::slice(Vv, h / 2), attn::detail::slice(dO, h),
+                             attn::both(documents, row), {}, alone, drow);
+    EXPECT_TRUE(attn_test::near(dtable.row(h), drow, 1e-13, 1e-14)) << "row " << h;
+    EXPECT_TRUE(attn_test::near(attn::detail::slice(grads.dQ, h), alone.dQ, 1e-13, 1e-14))
+        << "dQ of head " << h;
+  }
+  // The same bits for 1 and 2 threads (2 key/value heads: parallel over them).
+  const int threads = attn::num_threads();
+  attn::Matrix<double> one, two;
+  attn::set_num_threads(1);
+  attn::attention_heads_backward(Q, K, Vv, dO, attn::both(documents, t5), {}, {}, grads, one);
+  const attn::Tensor3<double> dK_one = grads.dK;
+  attn::set_num_threads(2);
+  attn::attention_heads_backward(Q, K, Vv, dO, attn::both(documents, t5), {}, {}, grads, two);
+  attn::set_num_threads(threads);
+  EXPECT_TRUE(attn_test::identical(one, two));
+  EXPECT_TRUE(
+      attn_test::identical(attn::detail::slice(dK_one, 1), attn::detail::slice(grads.dK, 1)));
+  // The checking mode names a tile the variant classifies wrongly (Full, with odd keys
+  // forbidden).
+  EXPECT_THROW(attn::attention_heads_backward(Q, K, Vv, dO, attn::checked(OddKeysCalledFull{})),
+               attn::shape_error);
+}
+
 // ---------------------------------------------------------------------------------------------
 // KVCache::attend with a variant: the cache's keys at their absolute positions.
 
@@ -998,18 +1114,159 @@ TEST(VariantCache, TheCacheAttendsWithAVariantAtAbsolutePositions) {
 }
 
 TEST(VariantCache, TheCheckingModeNamesAWrongTile) {
-  // Claims every tile is Full while forbidding odd keys.
-  struct Liar {
-    bool allowed(const ScoreAt& at) const { return at.key % 2 == 0; }
-    TileKind tile(const TileAt&) const { return TileKind::Full; }
-  };
   attn::KVCache<double> cache(8, 8);
   std::mt19937 rng(53);
   cache.append(attn_test::random_matrix<double>(40, 8, rng),
                attn_test::random_matrix<double>(40, 8, rng));
   const attn::Matrix<double> Q = attn_test::random_matrix<double>(3, 8, rng);
-  EXPECT_NO_THROW(cache.attend(Q, Liar{}));  // unchecked: the claim is believed
-  EXPECT_THROW(cache.attend(Q, attn::checked(Liar{})), attn::shape_error);
+  EXPECT_NO_THROW(cache.attend(Q, OddKeysCalledFull{}));  // unchecked: the claim is believed
+  EXPECT_THROW(cache.attend(Q, attn::checked(OddKeysCalledFull{})), attn::shape_error);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The layer with a variant: every (batch item, head) sees its item, head and key/value head.
+
+/// Query i of batch item b sees the keys up to i + 2 b; with `item` >= 0, as item `item` whatever
+/// item calls it (the one-item reference).
+struct ItemShift {
+  Index item = -1;
+  bool allowed(const ScoreAt& at) const {
+    return at.key <= at.query + 2 * (item >= 0 ? item : at.batch);
+  }
+};
+
+/// A layer of 16 wide, 4 heads over 2 key/value heads, with random projection biases.
+attn::MultiHeadAttention<double> variant_layer(std::mt19937& rng) {
+  attn::MultiHeadConfig config{16, 4};
+  config.num_kv_heads = 2;
+  attn::MultiHeadAttention<double> layer(config, 7);
+  layer.b_Q = attn_test::random_matrix<double>(1, 16, rng);
+  layer.b_K = attn_test::random_matrix<double>(1, 8, rng);
+  layer.b_V = attn_test::random_matrix<double>(1, 8, rng);
+  layer.b_O = attn_test::random_matrix<double>(1, 16, rng);
+  return layer;
+}
+
+/// Rows [b n, (b + 1) n) of a flattened (batch, n, width) tensor.
+attn::Matrix<double> item_of(const attn::Tensor3<double>& t, Index b) {
+  return attn::detail::slice(t, b);
+}
+
+/// The layer's projections of item b, as heads: (Q, K, V) of (4 | 2, n, 4).
+struct ItemHeads {
+  attn::Tensor3<double> Q, K, V;
+};
+ItemHeads project_item(const attn::MultiHeadAttention<double>& layer,
+                       const attn::Matrix<double>& x) {
+  const auto project = [&](const attn::Matrix<double>& W, const attn::RowVector<double>& bias,
+                           Index heads) {
+    const attn::Matrix<double> p = (x * W).rowwise() + bias;
+    return attn::split_heads(p, heads);
+  };
+  return {project(layer.W_Q, layer.b_Q, 4), project(layer.W_K, layer.b_K, 2),
+          project(layer.W_V, layer.b_V, 2)};
+}
+
+TEST(VariantLayer, ForwardAndBackwardAreTheHeadsOfEachItem) {
+  std::mt19937 rng(61);
+  const attn::MultiHeadAttention<double> layer = variant_layer(rng);
+  const Index batch = 2, n = 11;
+  attn::Tensor3<double> x(batch, n, 16), dy(batch, n, 16);
+  for (auto* t : {&x, &dy}) {
+    for (Index i = 0; i < t->size(); ++i)
+      t->data()[i] = attn_test::random_matrix<double>(1, 1, rng)(0, 0);
+  }
+  attn::MultiHeadOptions<double> options;
+  options.softcap = 4.0;
+  const auto variant = attn::both(ItemShift{}, PerHead{});
+  const attn::MultiHeadResult<double> got = layer.forward(x, x, x, variant, options);
+  const attn::MultiHeadGrads<double> grads = layer.backward(x, x, x, dy, variant, options);
+  for (Index b = 0; b < batch; ++b) {
+    const auto alone = attn::both(ItemShift{b}, PerHead{});
+    const ItemHeads p = project_item(layer, item_of(x, b));
+    const attn::Matrix<double> concat =
+        attn::merge_heads(attn::attention_heads(p.Q, p.K, p.V, alone, options));
+    const attn::Matrix<double> want = (concat * layer.W_O).rowwise() + layer.b_O;
+    EXPECT_TRUE(attn_test::near(item_of(got.output, b), want, 1e-12, 1e-13)) << "item " << b;
+    // Backward: dC = dY W_O^T, the heads' backward, then through the input projections.
+    const attn::Matrix<double> dC = item_of(dy, b) * layer.W_O.transpose();
+    const attn::HeadGrads<double> g =
+        attn::attention_heads_backward(p.Q, p.K, p.V, attn::split_heads(dC, 4), alone, options);
+    const attn::Matrix<double> dx = attn::merge_heads(g.dQ) * layer.W_Q.transpose() +
+                                    attn::merge_heads(g.dK) * layer.W_K.transpose() +
+                                    attn::merge_heads(g.dV) * layer.W_V.transpose();
+    const attn::Matrix<double> got_dx =
+        item_of(grads.d_query, b) + item_of(grads.d_key, b) + item_of(grads.d_value, b);
+    EXPECT_TRUE(attn_test::near(got_dx, dx, 1e-11, 1e-12)) << "dL/dx of item " << b;
+  }
+  // The single-sequence form is item 0.
+  EXPECT_TRUE(attn_test::near(layer.forward(item_of(x, 0), variant, options),
+                              item_of(got.output, 0), 1e-13, 1e-14));
+  // Weights are not computed with a variant: refused, not left empty.
+  options.need_weights = true;
+  EXPECT_THROW(layer.forward(x, x, x, variant, options), attn::shape_error);
+  options.need_weights = false;
+  EXPECT_THROW(layer.forward(x, x, x, attn::checked(OddKeysCalledFull{}), options),
+               attn::shape_error);
+}
+
+TEST(VariantLayer, ALearnedTablesGradientSumsTheItemsAndHeads) {
+  std::mt19937 rng(62);
+  const attn::MultiHeadAttention<double> layer = variant_layer(rng);
+  const Index batch = 2, n = 20;
+  attn::Tensor3<double> x(batch, n, 16), dy(batch, n, 16);
+  for (auto* t : {&x, &dy}) {
+    for (Index i = 0; i < t->size(); ++i)
+      t->data()[i] = attn_test::random_matrix<double>(1, 1, rng)(0, 0);
+  }
+  attn::T5Bias<double> t5(4, 8, 16, true);
+  t5.table() = attn_test::random_matrix<double>(4, 8, rng);
+  const auto variant = attn::both(attn::DocumentMask({0, 8, 20}, true), t5);
+  attn::MultiHeadWorkspace<double> workspace;
+  attn::MultiHeadGrads<double> grads;
+  attn::Matrix<double> dtable;
+  layer.backward(x, x, x, dy, variant, {}, workspace, grads, dtable);
+  attn::Matrix<double> want = attn::Matrix<double>::Zero(4, 8);
+  for (Index b = 0; b < batch; ++b) {
+    const ItemHeads p = project_item(layer, item_of(x, b));
+    const attn::Matrix<double> dC = item_of(dy, b) * layer.W_O.transpose();
+    attn::HeadGrads<double> g;
+    attn::Matrix<double> d;
+    attn::attention_heads_backward(p.Q, p.K, p.V, attn::split_heads(dC, 4), variant, {}, {}, g, d);
+    want += d;
+  }
+  EXPECT_TRUE(attn_test::near(dtable, want, 1e-12, 1e-13));
+  // The same bits for 1 and 2 threads.
+  const int threads = attn::num_threads();
+  attn::Matrix<double> one;
+  attn::set_num_threads(1);
+  layer.backward(x, x, x, dy, variant, {}, workspace, grads, one);
+  attn::set_num_threads(threads);
+  EXPECT_TRUE(attn_test::identical(one, dtable));
+}
+
+TEST(VariantLayer, DecodingStepsEqualTheWholeSequence) {
+  std::mt19937 rng(63);
+  const attn::MultiHeadAttention<double> layer = variant_layer(rng);
+  attn::T5Bias<double> t5(4, 8, 16, false);
+  t5.table() = attn_test::random_matrix<double>(4, 8, rng);
+  const auto variant = attn::both(attn::DocumentMask({0, 3, 9}, true), t5);
+  const attn::Matrix<double> X = attn_test::random_matrix<double>(9, 16, rng);
+  attn::MultiHeadOptions<double> causal;
+  causal.causal = attn::Causal::BottomRight;
+  const attn::Matrix<double> whole = layer.forward(X, variant, causal);
+  attn::KVCacheConfig<double> config;
+  config.d_k = 4;
+  config.d_v = 4;
+  config.kv_heads = 2;
+  attn::KVCache<double> cache(config);
+  const attn::Matrix<double> prefill = layer.forward_step(X.topRows(5), cache, variant);
+  EXPECT_TRUE(attn_test::near(prefill, whole.topRows(5), 1e-12, 1e-13));
+  for (Index i = 5; i < 9; ++i) {
+    EXPECT_TRUE(attn_test::near(layer.forward_step(X.middleRows(i, 1), cache, variant),
+                                whole.row(i), 1e-12, 1e-13))
+        << "step " << i;
+  }
 }
 
 }  // namespace variant_test

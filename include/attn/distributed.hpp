@@ -269,6 +269,37 @@ AttentionOptions<T> pair_options_of(const AttentionOptions<T>& options) {
   return pair;
 }
 
+/// The rule of one piece with a variant: the pair's options at the piece's global positions, so
+/// that the variant sees each query and key where it stands in the whole sequence (query i at key
+/// position i + shift, key j of the block at its global index).
+template <class T>
+ScoreRule<T> piece_rule(const AttentionOptions<T>& pair, Index rows, Index key_first,
+                        Index key_count, Index d_k) {
+  ScoreRule<T> rule = make_rule(pair, rows, key_count, d_k);
+  rule.q_position += key_first;  // the pair's query offset counts from the block's first key
+  rule.k_position = key_first;
+  return rule;
+}
+
+/// A learnable variant's gradient summed over the ranks in rank order (the same bits on every
+/// rank). The ring sends it as numbers: its `Gradient` must be `Matrix<T>`.
+template <class T, class Gradient>
+void sum_over_ranks(MPI_Comm comm, int ranks, Gradient& gradient) {
+  static_assert(std::is_same_v<Gradient, Matrix<T>>,
+                "attn: ring_attention_backward sums a learnable variant's gradient over the ranks "
+                "as numbers: its `Gradient` must be attn::Matrix<T>");
+  const Index size = gradient.size();
+  std::vector<T> every(static_cast<std::size_t>(size * ranks));
+  mpi_check(MPI_Allgather(gradient.data(), mpi_count(size), mpi_datatype<T>(), every.data(),
+                          mpi_count(size), mpi_datatype<T>(), comm),
+            "MPI_Allgather");
+  gradient.setZero();
+  for (int r = 0; r < ranks; ++r) {
+    gradient +=
+        Eigen::Map<const Matrix<T>>(every.data() + r * size, gradient.rows(), gradient.cols());
+  }
+}
+
 /// The work a key block brings to this rank, in a fixed order: for each of the block's key ranges
 /// and each of this rank's query ranges that may see it (`pair_visible`; pairs counted in
 /// `stats`), the query rows `ring_query_rows` at a time, those that may see the keys. For each
@@ -309,12 +340,14 @@ void for_each_pair(const RowRanges& queries, const RowRanges& keys, Index shift,
 }
 
 /// The ring itself, on operands already under their layouts. Returns per query head the output
-/// rows (this rank's rows under `query_layout`).
-template <class T>
+/// rows (this rank's rows under `query_layout`). With a variant (not null), each piece runs the
+/// tiled kernel with it at the piece's global positions (`piece_rule`), query head h as
+/// `ScoreAt::head`.
+template <class T, class Variant = NoVariant>
 void ring_core(MPI_Comm comm, int rank, int ranks, const RowLayout& query_layout,
                const RowLayout& key_layout, Index shift, const AttentionOptions<T>& options,
                RingOperands<T>& in, RingStats& stats, std::vector<Matrix<T>>& out,
-               std::vector<Vector<T>>& lse) {
+               std::vector<Vector<T>>& lse, const Variant* variant = nullptr) {
   const Index group = in.heads_q / in.heads_kv;
   const Index my_rows = query_layout.rows(rank);
   out.assign(static_cast<std::size_t>(in.heads_q), Matrix<T>::Zero(my_rows, in.d_v));
@@ -390,26 +423,38 @@ void ring_core(MPI_Comm comm, int rank, int ranks, const RowLayout& query_layout
     const T* keys = current.data();
     const T* values = current.data() + in.heads_kv * block_rows * in.d_k;
     const RowRanges no_keys;
-    for_each_pair(my_queries, have ? key_layout.of_rank[static_cast<std::size_t>(b)] : no_keys,
-                  shift, options, in, pair_options, stats,
-                  [&](Index first, Index rows, Index key_local, Index, Index key_count) {
-                    for (Index h = 0; h < in.heads_q; ++h) {
-                      const Index g = h / group;
-                      const RowsMap<T> K_g(keys + g * block_rows * in.d_k, block_rows, in.d_k);
-                      const RowsMap<T> V_g(values + g * block_rows * in.d_v, block_rows, in.d_v);
-                      const auto h_index = static_cast<std::size_t>(h);
-                      partial = flash_attention(in.Q.heads[h_index].middleRows(first, rows),
-                                                K_g.middleRows(key_local, key_count),
-                                                V_g.middleRows(key_local, key_count), pair_options,
-                                                partial_lse);
-                      for (Index i = 0; i < rows; ++i) {
-                        T& row_lse = lse[h_index](first + i);
-                        merge_partial<T>(out[h_index].row(first + i), row_lse, partial.row(i),
-                                         partial_lse(i));
-                      }
-                      progress();
-                    }
-                  });
+    for_each_pair(
+        my_queries, have ? key_layout.of_rank[static_cast<std::size_t>(b)] : no_keys, shift,
+        options, in, pair_options, stats,
+        [&](Index first, Index rows, Index key_local, Index key_first, Index key_count) {
+          for (Index h = 0; h < in.heads_q; ++h) {
+            const Index g = h / group;
+            const RowsMap<T> K_g(keys + g * block_rows * in.d_k, block_rows, in.d_k);
+            const RowsMap<T> V_g(values + g * block_rows * in.d_v, block_rows, in.d_v);
+            const auto h_index = static_cast<std::size_t>(h);
+            if constexpr (is_variant_v<Variant>) {
+              partial.resize(rows, in.d_v);
+              partial_lse.resize(rows);
+              flash_kernel_on<T>(in.Q.heads[h_index].middleRows(first, rows),
+                                 ConstRef<T>(K_g.middleRows(key_local, key_count)),
+                                 ConstRef<T>(V_g.middleRows(key_local, key_count)),
+                                 piece_rule(pair_options, rows, key_first, key_count, in.d_k),
+                                 FlashTiles{}, partial, partial_lse.data(),
+                                 BoundVariant<Variant>{variant, 0, h, g});
+            } else {
+              static_cast<void>(key_first);
+              partial = flash_attention(
+                  in.Q.heads[h_index].middleRows(first, rows), K_g.middleRows(key_local, key_count),
+                  V_g.middleRows(key_local, key_count), pair_options, partial_lse);
+            }
+            for (Index i = 0; i < rows; ++i) {
+              T& row_lse = lse[h_index](first + i);
+              merge_partial<T>(out[h_index].row(first + i), row_lse, partial.row(i),
+                               partial_lse(i));
+            }
+            progress();
+          }
+        });
     stats.compute_seconds += MPI_Wtime() - compute_start;
     const double wait_start = MPI_Wtime();
     mpi_check(MPI_Waitall(2, requests, MPI_STATUSES_IGNORE), "MPI_Waitall");
@@ -638,13 +683,14 @@ RingOperands<T> deal_operands(const RingPlan& plan, const std::vector<RowsMap<T>
 /// The forward of every form of `ring_attention`, after the local checks: `Q` per query head
 /// (this rank's rows), `K` and `V` per key/value head. Returns per query head the output rows and,
 /// when `lse_out` is given, their log-sum-exp (sink included).
-template <class T>
+template <class T, class Variant = NoVariant>
 std::vector<Matrix<T>> ring_forward(MPI_Comm user_comm, const std::vector<RowsMap<T>>& Q,
                                     const std::vector<RowsMap<T>>& K,
                                     const std::vector<RowsMap<T>>& V,
                                     const AttentionOptions<T>& options, const RingSizes& mine,
                                     const std::string& local_error, RingStats& stats,
-                                    std::vector<Vector<T>>* lse_out = nullptr) {
+                                    std::vector<Vector<T>>* lse_out = nullptr,
+                                    const Variant* variant = nullptr) {
   stats = RingStats{};
   const RingPlan plan(user_comm, mine, local_error, options);
   stats.ranks = plan.ranks();
@@ -655,8 +701,9 @@ std::vector<Matrix<T>> ring_forward(MPI_Comm user_comm, const std::vector<RowsMa
 
   std::vector<Matrix<T>> dealt_out;
   std::vector<Vector<T>> dealt_lse;
-  ring_core(plan.comm(), plan.rank(), plan.ranks(), plan.query_layout(), plan.key_layout(),
-            plan.shift(), options, in, stats, dealt_out, dealt_lse);
+  ring_core<T, Variant>(plan.comm(), plan.rank(), plan.ranks(), plan.query_layout(),
+                        plan.key_layout(), plan.shift(), options, in, stats, dealt_out, dealt_lse,
+                        variant);
   if (!plan.zigzag()) {
     if (lse_out) *lse_out = std::move(dealt_lse);
     return dealt_out;
@@ -692,15 +739,21 @@ struct RingGradients {
 /// followed one step behind by the dK and dV it has gathered so far; after a full turn the
 /// gathered gradients reach the block's owner. Each pair (query chunk, key chunk) in reach runs
 /// `attention_backward` with the forward's global output and log-sum-exp, which is exact: P =
-/// exp(z - lse) with the global lse is the pair's share of the whole softmax.
-template <class T>
+/// exp(z - lse) with the global lse is the pair's share of the whole softmax. With a variant (not
+/// null), each piece's backward runs with it at the piece's global positions; a learnable
+/// variant's gradient goes into `dparams` (when not null): summed piece by piece in the ring's
+/// order on each rank, then over the ranks in rank order.
+template <class T, class Variant = NoVariant>
 RingGradients<T> ring_backward(MPI_Comm user_comm, const std::vector<RowsMap<T>>& Q,
                                const std::vector<RowsMap<T>>& K, const std::vector<RowsMap<T>>& V,
                                const std::vector<RowsMap<T>>& O,
                                const std::vector<Vector<T>>& log_sum_exp,
                                const std::vector<RowsMap<T>>& dO,
                                const AttentionOptions<T>& options, const RingSizes& mine,
-                               const std::string& local_error, RingStats& stats) {
+                               const std::string& local_error, RingStats& stats,
+                               const Variant* variant = nullptr,
+                               typename GradientOf<Variant>::type* dparams = nullptr) {
+  using Gradient = typename GradientOf<Variant>::type;
   stats = RingStats{};
   const RingPlan plan(user_comm, mine, local_error, options);
   const MPI_Comm comm = plan.comm();
@@ -737,6 +790,11 @@ RingGradients<T> ring_backward(MPI_Comm user_comm, const std::vector<RowsMap<T>>
   std::vector<T> partial;   // this rank's share of them
   std::vector<T> sending;   // the sum, on its way to the next rank
   AttentionGrads<T> pair;
+  Vector<T> pair_lse;
+  Gradient dparams_piece{};
+  if constexpr (variant_learns_v<Variant>) {
+    if (dparams) *dparams = variant->zero_gradient();
+  }
   const int right = wrap(rank + 1);
   const int left = wrap(rank - 1);
   MPI_Request send_gathered = MPI_REQUEST_NULL;
@@ -781,13 +839,30 @@ RingGradients<T> ring_backward(MPI_Comm user_comm, const std::vector<RowsMap<T>>
                       const auto h_index = static_cast<std::size_t>(h);
                       const RowsMap<T> K_g(keys + g * block_rows * in.d_k, block_rows, in.d_k);
                       const RowsMap<T> V_g(values + g * block_rows * in.d_v, block_rows, in.d_v);
-                      attention_backward(in.Q.heads[h_index].middleRows(first, rows),
-                                         K_g.middleRows(key_local, key_count),
-                                         V_g.middleRows(key_local, key_count),
-                                         O_dealt.heads[h_index].middleRows(first, rows),
-                                         lse_dealt[h_index].segment(first, rows),
-                                         dO_dealt.heads[h_index].middleRows(first, rows),
-                                         pair_options, pair);
+                      if constexpr (is_variant_v<Variant>) {
+                        const ScoreRule<T> rule =
+                            piece_rule(pair_options, rows, key_first, key_count, in.d_k);
+                        pair_lse = lse_dealt[h_index].segment(first, rows);
+                        backward_kernel<T>(in.Q.heads[h_index].middleRows(first, rows),
+                                           K_g.middleRows(key_local, key_count),
+                                           V_g.middleRows(key_local, key_count),
+                                           O_dealt.heads[h_index].middleRows(first, rows), pair_lse,
+                                           dO_dealt.heads[h_index].middleRows(first, rows), rule,
+                                           backward_path(rule, in.d_k, in.d_v), BackwardTiles{},
+                                           pair, BoundVariant<Variant>{variant, 0, h, g},
+                                           dparams ? &dparams_piece : nullptr);
+                        if constexpr (variant_learns_v<Variant>) {
+                          if (dparams) *dparams += dparams_piece;
+                        }
+                      } else {
+                        attention_backward(in.Q.heads[h_index].middleRows(first, rows),
+                                           K_g.middleRows(key_local, key_count),
+                                           V_g.middleRows(key_local, key_count),
+                                           O_dealt.heads[h_index].middleRows(first, rows),
+                                           lse_dealt[h_index].segment(first, rows),
+                                           dO_dealt.heads[h_index].middleRows(first, rows),
+                                           pair_options, pair);
+                      }
                       grads.dQ[h_index].middleRows(first, rows) += pair.dQ;
                       Eigen::Map<Matrix<T>>(dkeys + g * block_rows * in.d_k, block_rows, in.d_k)
                           .middleRows(key_local, key_count) += pair.dK;
@@ -845,6 +920,9 @@ RingGradients<T> ring_backward(MPI_Comm user_comm, const std::vector<RowsMap<T>>
     mpi_check(MPI_Allgather(&local, 1, mpi_datatype<T>(), every.data(), 1, mpi_datatype<T>(), comm),
               "MPI_Allgather");
     for (const T value : every) grads.dsink += value;
+  }
+  if constexpr (variant_learns_v<Variant>) {
+    if (dparams) sum_over_ranks<T>(comm, ranks, *dparams);
   }
 
   const double back_start = MPI_Wtime();
@@ -923,6 +1001,24 @@ std::string matrix_check(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase
   return local_check([&] {
     require_same_cols("ring_attention", "K", K, "Q", Q);
     require_same_rows("ring_attention", "V", V, "K", K);
+  });
+}
+
+/// The local checks of the backward's O, log_sum_exp and dO against Q and V, as a message.
+template <class DQ, class DV, class DOut, class DL, class DG>
+std::string ring_backward_check(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DV>& V,
+                                const Eigen::MatrixBase<DOut>& O,
+                                const Eigen::MatrixBase<DL>& log_sum_exp,
+                                const Eigen::MatrixBase<DG>& dO) {
+  return local_check([&] {
+    constexpr const char* function = "ring_attention_backward";
+    require_same_rows(function, "O", O, "Q", Q);
+    require_same_cols(function, "O", O, "V", V);
+    require_same_rows(function, "dO", dO, "Q", Q);
+    require_same_cols(function, "dO", dO, "V", V);
+    if (log_sum_exp.size() != Q.rows()) {
+      fail(function, "log_sum_exp must have ", Q.rows(), " entries, got ", shape_of(log_sum_exp));
+    }
   });
 }
 
@@ -1044,19 +1140,7 @@ AttentionGrads<typename DQ::Scalar> ring_attention_backward(
   detail::require_same_scalar<DQ, DL>();
   detail::require_same_scalar<DQ, DG>();
   std::string error = detail::matrix_check(Q, K, V);
-  if (error.empty()) {
-    error = detail::local_check([&] {
-      constexpr const char* function = "ring_attention_backward";
-      detail::require_same_rows(function, "O", O, "Q", Q);
-      detail::require_same_cols(function, "O", O, "V", V);
-      detail::require_same_rows(function, "dO", dO, "Q", Q);
-      detail::require_same_cols(function, "dO", dO, "V", V);
-      if (log_sum_exp.size() != Q.rows()) {
-        detail::fail(function, "log_sum_exp must have ", Q.rows(), " entries, got ",
-                     detail::shape_of(log_sum_exp));
-      }
-    });
-  }
+  if (error.empty()) error = detail::ring_backward_check(Q, V, O, log_sum_exp, dO);
   const Vector<T> lse = log_sum_exp.derived().reshaped();
   Matrix<T> Q_copy, K_copy, V_copy, O_copy, dO_copy;
   detail::RingGradients<T> grads = detail::ring_backward<T>(
@@ -1090,6 +1174,125 @@ AttentionGrads<typename DQ::Scalar> ring_attention_backward(
     const AttentionOptions<typename DQ::Scalar>& options = {}) {
   RingStats stats;
   return ring_attention_backward(comm, Q, K, V, O, log_sum_exp, dO, options, stats);
+}
+
+namespace detail {
+
+/// A ring call takes any variant but the checking mode: one rank's throw in the middle of the
+/// ring would leave the others waiting.
+template <class Variant, class T, bool backward>
+constexpr void check_ring_variant() {
+  check_variant<Variant, T, backward>();
+  static_assert(!is_checked<Variant>::value,
+                "attn: ring_attention does not take checked(variant) (a throw on one rank would "
+                "leave the others waiting): check the variant with flash_attention first");
+}
+
+}  // namespace detail
+
+/// `ring_attention` with a variant (variant.hpp, docs/variants.md): each rank's block of keys is
+/// the same variant at its own key positions, so the result equals `flash_attention` with the
+/// variant on the whole sequence (query i at key position i + the options' query offset, or M - N
+/// when causal bottom-right). Each piece runs the tiled kernel with the variant.
+/// \param comm         the communicator; every rank of it calls
+/// \param Q            n_r x d_k, this rank's queries (float or double)
+/// \param K            m_r x d_k, this rank's keys
+/// \param V            m_r x d_v, this rank's values
+/// \param variant      a variant (`is_variant_v`), the same on every rank; not `checked`
+/// \param options      every `AttentionOptions` field, over the whole sequence
+/// \param log_sum_exp  resized to n_r, each row's log-sum-exp (sink included)
+/// \returns n_r x d_v, this rank's output rows
+/// \throws as `ring_attention`.
+template <class DQ, class DK, class DV, class Variant,
+          std::enable_if_t<is_variant_v<Variant>, int> = 0>
+Matrix<typename DQ::Scalar> ring_attention(MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q,
+                                           const Eigen::MatrixBase<DK>& K,
+                                           const Eigen::MatrixBase<DV>& V, const Variant& variant,
+                                           const AttentionOptions<typename DQ::Scalar>& options,
+                                           Vector<typename DQ::Scalar>& log_sum_exp) {
+  using T = typename DQ::Scalar;
+  detail::require_same_scalar<DQ, DK>();
+  detail::require_same_scalar<DQ, DV>();
+  detail::check_ring_variant<Variant, T, false>();
+  RingStats stats;
+  std::vector<Vector<T>> lse;
+  Matrix<T> Q_copy, K_copy, V_copy;
+  std::vector<Matrix<T>> out = detail::ring_forward<T, Variant>(
+      comm, {detail::rows_of(Q, Q_copy)}, {detail::rows_of(K, K_copy)},
+      {detail::rows_of(V, V_copy)}, options, detail::matrix_sizes(Q, K, V),
+      detail::matrix_check(Q, K, V), stats, &lse, &variant);
+  log_sum_exp = std::move(lse.front());
+  return std::move(out.front());
+}
+
+/// `ring_attention` with a variant, without the log-sum-exp.
+/// \param comm     the communicator; every rank of it calls
+/// \param Q        n_r x d_k, this rank's queries (float or double)
+/// \param K        m_r x d_k, this rank's keys
+/// \param V        m_r x d_v, this rank's values
+/// \param variant  a variant (`is_variant_v`), the same on every rank
+/// \param options  every `AttentionOptions` field, over the whole sequence
+/// \returns n_r x d_v, this rank's output rows
+template <class DQ, class DK, class DV, class Variant,
+          std::enable_if_t<is_variant_v<Variant>, int> = 0>
+Matrix<typename DQ::Scalar> ring_attention(
+    MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Variant& variant,
+    const AttentionOptions<typename DQ::Scalar>& options = {}) {
+  Vector<typename DQ::Scalar> lse;
+  return ring_attention(comm, Q, K, V, variant, options, lse);
+}
+
+/// Gradients of `ring_attention` with a variant (collective), from the forward's output and
+/// log-sum-exp: as without a variant, each piece's backward with the variant at the piece's
+/// global positions (a key its mask forbids gets exactly zero gradient).
+/// \param comm         the communicator; every rank of it calls
+/// \param Q            n_r x d_k, this rank's queries
+/// \param K            m_r x d_k, this rank's keys
+/// \param V            m_r x d_v, this rank's values
+/// \param O            n_r x d_v, this rank's rows of the forward's output
+/// \param log_sum_exp  n_r, this rank's rows' log-sum-exp from the forward
+/// \param dO           n_r x d_v, gradient of the loss with respect to this rank's output rows
+/// \param variant      the forward's variant, with `dscore` wherever it has `score`
+/// \param options      the forward's options (every field)
+/// \param dparams      when not null (a learnable variant whose `Gradient` is `Matrix<T>`):
+///                     the gradient of its parameters over the whole sequence, the same bits on
+///                     every rank (each rank's share summed in a fixed order, then the ranks'
+///                     in rank order)
+/// \returns `{dQ, dK, dV, dbias, dsink}` of this rank's rows
+/// \throws as `ring_attention_backward`.
+template <class DQ, class DK, class DV, class DOut, class DL, class DG, class Variant,
+          std::enable_if_t<is_variant_v<Variant>, int> = 0>
+AttentionGrads<typename DQ::Scalar> ring_attention_backward(
+    MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& O,
+    const Eigen::MatrixBase<DL>& log_sum_exp, const Eigen::MatrixBase<DG>& dO,
+    const Variant& variant, const AttentionOptions<typename DQ::Scalar>& options = {},
+    typename detail::GradientOf<Variant>::type* dparams = nullptr) {
+  using T = typename DQ::Scalar;
+  detail::require_same_scalar<DQ, DK>();
+  detail::require_same_scalar<DQ, DV>();
+  detail::require_same_scalar<DQ, DOut>();
+  detail::require_same_scalar<DQ, DL>();
+  detail::require_same_scalar<DQ, DG>();
+  detail::check_ring_variant<Variant, T, true>();
+  std::string error = detail::matrix_check(Q, K, V);
+  if (error.empty()) error = detail::ring_backward_check(Q, V, O, log_sum_exp, dO);
+  const Vector<T> lse = log_sum_exp.derived().reshaped();
+  Matrix<T> Q_copy, K_copy, V_copy, O_copy, dO_copy;
+  RingStats stats;
+  detail::RingGradients<T> grads = detail::ring_backward<T, Variant>(
+      comm, {detail::rows_of(Q, Q_copy)}, {detail::rows_of(K, K_copy)},
+      {detail::rows_of(V, V_copy)}, {detail::rows_of(O, O_copy)}, {lse},
+      {detail::rows_of(dO, dO_copy)}, options, detail::matrix_sizes(Q, K, V), error, stats,
+      &variant, dparams);
+  AttentionGrads<T> out;
+  out.dQ = std::move(grads.dQ.front());
+  out.dK = std::move(grads.dK.front());
+  out.dV = std::move(grads.dV.front());
+  out.dbias = std::move(grads.dbias);
+  out.dsink = grads.dsink;
+  return out;
 }
 
 namespace detail {
@@ -1215,6 +1418,59 @@ Tensor3<T> ring_attention(MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& 
   return detail::join_heads(out, Q.dimension(1), V.dimension(2));
 }
 
+namespace detail {
+
+/// `ring_attention_backward` over heads, with `variant` unless null (Variant NoVariant).
+template <class T, class Variant>
+HeadGrads<T> heads_ring_backward(MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& K,
+                                 const Tensor3<T>& V, const Tensor3<T>& O,
+                                 const Matrix<T>& log_sum_exp, const Tensor3<T>& dO,
+                                 const AttentionOptions<T>& options, RingStats& stats,
+                                 const Variant* variant,
+                                 typename GradientOf<Variant>::type* dparams) {
+  std::string error = heads_check(Q, K, V);
+  const auto same_shape = [&](const Tensor3<T>& X) {
+    return X.dimension(0) == Q.dimension(0) && X.dimension(1) == Q.dimension(1) &&
+           X.dimension(2) == V.dimension(2);
+  };
+  if (error.empty()) {
+    error = local_check([&] {
+      constexpr const char* function = "ring_attention_backward";
+      for (const auto& [name, X] : {std::pair<const char*, const Tensor3<T>*>{"O", &O},
+                                    std::pair<const char*, const Tensor3<T>*>{"dO", &dO}}) {
+        if (!same_shape(*X)) {
+          fail(function, name, " is (", X->dimension(0), ", ", X->dimension(1), ", ",
+               X->dimension(2), "), expected (", Q.dimension(0), ", ", Q.dimension(1), ", ",
+               V.dimension(2), ")");
+        }
+      }
+      if (log_sum_exp.rows() != Q.dimension(0) || log_sum_exp.cols() != Q.dimension(1)) {
+        fail(function, "log_sum_exp is ", shape_of(log_sum_exp), ", expected ", Q.dimension(0),
+             " x ", Q.dimension(1));
+      }
+    });
+  }
+  // (When a check failed the ring throws before it reads any of these.)
+  std::vector<Vector<T>> lse;
+  for (Index h = 0; h < Q.dimension(0); ++h) {
+    lse.push_back(error.empty() ? Vector<T>(log_sum_exp.row(h).transpose())
+                                : Vector<T>::Zero(Q.dimension(1)));
+  }
+  RingGradients<T> grads = ring_backward<T, Variant>(
+      comm, split_heads(Q), split_heads(K), split_heads(V), split_heads(error.empty() ? O : Q), lse,
+      split_heads(error.empty() ? dO : Q), options, tensor_sizes(Q, K, V), error, stats, variant,
+      dparams);
+  HeadGrads<T> out;
+  out.dQ = join_heads(grads.dQ, Q.dimension(1), Q.dimension(2));
+  out.dK = join_heads(grads.dK, K.dimension(1), K.dimension(2));
+  out.dV = join_heads(grads.dV, V.dimension(1), V.dimension(2));
+  out.dbias = std::move(grads.dbias);
+  out.dsink = grads.dsink;
+  return out;
+}
+
+}  // namespace detail
+
 /// Gradients of `ring_attention` over heads (collective), from the forward's own output O
 /// (heads, n_r, d_v) and log-sum-exp (heads x n_r): dQ (heads, n_r, d_k), dK (kv_heads, m_r, d_k)
 /// and dV (kv_heads, m_r, d_v) of this rank's rows, each key/value head's the sum over its query
@@ -1236,45 +1492,8 @@ HeadGrads<T> ring_attention_backward(MPI_Comm comm, const Tensor3<T>& Q, const T
                                      const Tensor3<T>& V, const Tensor3<T>& O,
                                      const Matrix<T>& log_sum_exp, const Tensor3<T>& dO,
                                      const AttentionOptions<T>& options, RingStats& stats) {
-  std::string error = detail::heads_check(Q, K, V);
-  const auto same_shape = [&](const Tensor3<T>& X) {
-    return X.dimension(0) == Q.dimension(0) && X.dimension(1) == Q.dimension(1) &&
-           X.dimension(2) == V.dimension(2);
-  };
-  if (error.empty()) {
-    error = detail::local_check([&] {
-      constexpr const char* function = "ring_attention_backward";
-      for (const auto& [name, X] : {std::pair<const char*, const Tensor3<T>*>{"O", &O},
-                                    std::pair<const char*, const Tensor3<T>*>{"dO", &dO}}) {
-        if (!same_shape(*X)) {
-          detail::fail(function, name, " is (", X->dimension(0), ", ", X->dimension(1), ", ",
-                       X->dimension(2), "), expected (", Q.dimension(0), ", ", Q.dimension(1), ", ",
-                       V.dimension(2), ")");
-        }
-      }
-      if (log_sum_exp.rows() != Q.dimension(0) || log_sum_exp.cols() != Q.dimension(1)) {
-        detail::fail(function, "log_sum_exp is ", detail::shape_of(log_sum_exp), ", expected ",
-                     Q.dimension(0), " x ", Q.dimension(1));
-      }
-    });
-  }
-  // (When a check failed the ring throws before it reads any of these.)
-  std::vector<Vector<T>> lse;
-  for (Index h = 0; h < Q.dimension(0); ++h) {
-    lse.push_back(error.empty() ? Vector<T>(log_sum_exp.row(h).transpose())
-                                : Vector<T>::Zero(Q.dimension(1)));
-  }
-  detail::RingGradients<T> grads = detail::ring_backward<T>(
-      comm, detail::split_heads(Q), detail::split_heads(K), detail::split_heads(V),
-      detail::split_heads(error.empty() ? O : Q), lse, detail::split_heads(error.empty() ? dO : Q),
-      options, detail::tensor_sizes(Q, K, V), error, stats);
-  HeadGrads<T> out;
-  out.dQ = detail::join_heads(grads.dQ, Q.dimension(1), Q.dimension(2));
-  out.dK = detail::join_heads(grads.dK, K.dimension(1), K.dimension(2));
-  out.dV = detail::join_heads(grads.dV, V.dimension(1), V.dimension(2));
-  out.dbias = std::move(grads.dbias);
-  out.dsink = grads.dsink;
-  return out;
+  return detail::heads_ring_backward<T, detail::NoVariant>(comm, Q, K, V, O, log_sum_exp, dO,
+                                                           options, stats, nullptr, nullptr);
 }
 
 /// `ring_attention_backward` over heads without the statistics.
@@ -1294,6 +1513,76 @@ HeadGrads<T> ring_attention_backward(MPI_Comm comm, const Tensor3<T>& Q, const T
                                      const AttentionOptions<T>& options = {}) {
   RingStats stats;
   return ring_attention_backward(comm, Q, K, V, O, log_sum_exp, dO, options, stats);
+}
+
+/// `ring_attention` over heads with a variant: query head h sees it as `ScoreAt::head` h (and its
+/// key/value head as `kv_head`), every rank's key block at its own positions (see the Matrix
+/// overload with a variant).
+/// \param comm         the communicator; every rank of it calls
+/// \param Q            (heads, n_r, d_k), this rank's queries
+/// \param K            (kv_heads, m_r, d_k), this rank's keys
+/// \param V            (kv_heads, m_r, d_v), this rank's values
+/// \param variant      a variant (`is_variant_v`), the same on every rank; not `checked`
+/// \param options      every `AttentionOptions` field, over the whole sequence
+/// \param log_sum_exp  resized to heads x n_r (the sink included when set)
+/// \returns (heads, n_r, d_v)
+template <class T, class Variant, std::enable_if_t<is_variant_v<Variant>, int> = 0>
+Tensor3<T> ring_attention(MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& K,
+                          const Tensor3<T>& V, const Variant& variant,
+                          const AttentionOptions<T>& options, Matrix<T>& log_sum_exp) {
+  detail::check_ring_variant<Variant, T, false>();
+  RingStats stats;
+  std::vector<Vector<T>> lse;
+  const std::vector<Matrix<T>> out = detail::ring_forward<T, Variant>(
+      comm, detail::split_heads(Q), detail::split_heads(K), detail::split_heads(V), options,
+      detail::tensor_sizes(Q, K, V), detail::heads_check(Q, K, V), stats, &lse, &variant);
+  log_sum_exp.resize(Q.dimension(0), Q.dimension(1));
+  for (Index h = 0; h < Q.dimension(0); ++h) {
+    log_sum_exp.row(h) = lse[static_cast<std::size_t>(h)].transpose();
+  }
+  return detail::join_heads(out, Q.dimension(1), V.dimension(2));
+}
+
+/// `ring_attention` over heads with a variant, without the log-sum-exp.
+/// \param comm     the communicator; every rank of it calls
+/// \param Q        (heads, n_r, d_k), this rank's queries
+/// \param K        (kv_heads, m_r, d_k), this rank's keys
+/// \param V        (kv_heads, m_r, d_v), this rank's values
+/// \param variant  a variant (`is_variant_v`), the same on every rank
+/// \param options  every `AttentionOptions` field, over the whole sequence
+/// \returns (heads, n_r, d_v)
+template <class T, class Variant, std::enable_if_t<is_variant_v<Variant>, int> = 0>
+Tensor3<T> ring_attention(MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& K,
+                          const Tensor3<T>& V, const Variant& variant,
+                          const AttentionOptions<T>& options = {}) {
+  Matrix<T> lse;
+  return ring_attention(comm, Q, K, V, variant, options, lse);
+}
+
+/// Gradients of `ring_attention` over heads with a variant (collective): as without one, each
+/// piece's backward with the variant bound to its query head at the piece's global positions.
+/// \param comm         the communicator; every rank of it calls
+/// \param Q            (heads, n_r, d_k), this rank's queries
+/// \param K            (kv_heads, m_r, d_k), this rank's keys
+/// \param V            (kv_heads, m_r, d_v), this rank's values
+/// \param O            (heads, n_r, d_v), this rank's rows of the forward's output
+/// \param log_sum_exp  heads x n_r, from the forward
+/// \param dO           (heads, n_r, d_v), gradient of the loss with respect to the output
+/// \param variant      the forward's variant, with `dscore` wherever it has `score`
+/// \param options      the forward's options (every field)
+/// \param dparams      when not null (a learnable variant whose `Gradient` is `Matrix<T>`): its
+///                     parameters' gradient over every rank and head, the same bits on every rank
+/// \returns `{dQ, dK, dV, dbias, dsink}` of this rank's rows
+template <class T, class Variant, std::enable_if_t<is_variant_v<Variant>, int> = 0>
+HeadGrads<T> ring_attention_backward(
+    MPI_Comm comm, const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
+    const Tensor3<T>& O, const Matrix<T>& log_sum_exp, const Tensor3<T>& dO, const Variant& variant,
+    const AttentionOptions<T>& options = {},
+    typename detail::GradientOf<Variant>::type* dparams = nullptr) {
+  detail::check_ring_variant<Variant, T, true>();
+  RingStats stats;
+  return detail::heads_ring_backward<T, Variant>(comm, Q, K, V, O, log_sum_exp, dO, options, stats,
+                                                 &variant, dparams);
 }
 
 }  // namespace attn

@@ -482,11 +482,16 @@ void check_heads_backward(const char* function, const Tensor3<T>& Q, const Tenso
 ///      summed likewise into kv's part, per-head dbias and dsink are written as they are.
 ///   2. The shared bias's parts are summed in kv order, the shared sink's per-head gradients in
 ///      head order. Every sum has a fixed order: the same bits for any thread count.
-template <class T>
+/// With a variant (not null), head h sees it bound to head h and key/value head kv (the forward
+/// runs again on the tiled kernel); a learnable variant's gradient goes into `dparams` (when not
+/// null) as the sum of the heads' in head order.
+template <class T, class Variant = NoVariant>
 void heads_backward_kernel(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
                            const Tensor3<T>* O, const Matrix<T>* lse, const Tensor3<T>& dO,
                            const ScoreRule<T>& shared, const HeadOptions<T>& per_head,
-                           HeadGrads<T>& grads) {
+                           HeadGrads<T>& grads, const Variant* variant = nullptr,
+                           typename GradientOf<Variant>::type* dparams = nullptr) {
+  using Gradient = typename GradientOf<Variant>::type;
   const Index heads = Q.dimension(0);
   const Index kv_heads = K.dimension(0);
   const Index group = heads / kv_heads;
@@ -499,6 +504,7 @@ void heads_backward_kernel(const Tensor3<T>& Q, const Tensor3<T>& K, const Tenso
   grads.dV.resize(kv_heads, m, d_v);
   std::vector<Matrix<T>> dbias_parts(shared.bias ? static_cast<std::size_t>(kv_heads) : 0);
   std::vector<T> dsink_heads(static_cast<std::size_t>(heads), T(0));
+  std::vector<Gradient> dparams_heads(dparams ? static_cast<std::size_t>(heads) : 0);
   if (per_head.biases) {
     grads.dbiases.resize(heads, n, m);
   } else {
@@ -515,14 +521,16 @@ void heads_backward_kernel(const Tensor3<T>& Q, const Tensor3<T>& K, const Tenso
       const ScoreRule<T> rule = per_head.any() ? head_rule(shared, per_head, h) : shared;
       const Path path = backward_path(rule, d_k, d_v);
       const ConstRef<T> q = slice(Q, h);
+      const BoundVariant<Variant> bound{variant, 0, h, kv};
       if (O) {
         s.lse = lse->row(h).transpose();
       } else {
         s.O.resize(n, d_v);
-        forward_for_backward<T>(q, k, v, rule, path, s.O, s.lse);
+        forward_for_backward<T>(q, k, v, rule, path, s.O, s.lse, bound);
       }
       backward_kernel<T>(q, k, v, O ? ConstRef<T>(slice(*O, h)) : ConstRef<T>(s.O), s.lse,
-                         slice(dO, h), rule, path, BackwardTiles{}, s.head);
+                         slice(dO, h), rule, path, BackwardTiles{}, s.head, bound,
+                         dparams ? &dparams_heads[static_cast<std::size_t>(h)] : nullptr);
       slice(grads.dQ, h) = s.head.dQ;
       const bool first = h == kv * group;
       if (first) {
@@ -561,6 +569,12 @@ void heads_backward_kernel(const Tensor3<T>& Q, const Tensor3<T>& K, const Tenso
   } else {
     grads.dsinks.clear();
   }
+  if constexpr (variant_learns_v<Variant>) {
+    if (dparams) {
+      *dparams = variant->zero_gradient();
+      for (const Gradient& g : dparams_heads) *dparams += g;
+    }
+  }
 }
 
 /// `attention_heads_backward` (both forms), checks included: O and lse null when the forward
@@ -575,6 +589,29 @@ void heads_backward(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& 
   check_heads_backward<T>(function, Q, V, dO, O, lse);
   const ScoreRule<T> shared = make_rule(options, Q.dimension(1), K.dimension(1), Q.dimension(2));
   heads_backward_kernel<T>(Q, K, V, O, lse, dO, shared, per_head, grads);
+}
+
+/// `attention_heads_backward` with a variant, checks included; its parameter gradient into
+/// `dparams` when not null.
+template <class T, class Variant>
+void heads_backward_variant(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
+                            const Tensor3<T>& dO, const Variant& variant,
+                            const AttentionOptions<T>& options, const HeadOptions<T>& per_head,
+                            HeadGrads<T>& grads, typename GradientOf<Variant>::type* dparams) {
+  const char* function = "attention_heads_backward";
+  check_variant<Variant, T, true>();
+  check_heads(function, Q, K, V, options, per_head);
+  check_heads_backward<T>(function, Q, V, dO, nullptr, nullptr);
+  const ScoreRule<T> shared = make_rule(options, Q.dimension(1), K.dimension(1), Q.dimension(2));
+  if constexpr (is_checked<Variant>::value) {
+    const Index group = Q.dimension(0) / K.dimension(0);
+    for (Index h = 0; h < Q.dimension(0); ++h) {
+      check_kernel_tiles<T>(per_head.any() ? head_rule(shared, per_head, h) : shared, FlashTiles{},
+                            BoundVariant<Variant>{&variant, 0, h, h / group});
+    }
+  }
+  heads_backward_kernel<T>(Q, K, V, nullptr, nullptr, dO, shared, per_head, grads, &variant,
+                           dparams);
 }
 
 }  // namespace detail
@@ -660,6 +697,65 @@ HeadGrads<T> attention_heads_backward(const Tensor3<T>& Q, const Tensor3<T>& K, 
                                       const HeadOptions<detail::identity_t<T>>& per_head = {}) {
   HeadGrads<T> grads;
   attention_heads_backward(Q, K, V, O, log_sum_exp, dO, options, per_head, grads);
+  return grads;
+}
+
+/// Gradients of `attention_heads` with a variant, into caller storage: each head's forward again
+/// (the tiled kernel) and its backward with the variant bound to the head and its key/value head
+/// (its score through `dscore`, its mask: a key it forbids gets exactly zero gradient).
+/// \param Q         (heads, n, d_k): query heads
+/// \param K         (kv_heads, m, d_k): key heads, with heads % kv_heads == 0
+/// \param V         (kv_heads, m, d_v): value heads
+/// \param dO        (heads, n, d_v): gradient of the loss with respect to the output
+/// \param variant   a variant (`is_variant_v`) with `dscore` wherever it has `score`;
+///                  `checked(variant)` checks every head's tiles first
+/// \param options   the forward's shared options
+/// \param per_head  the forward's per-head values
+/// \param grads     as without a variant
+/// \throws shape_error on mismatched shapes or invalid options.
+/// \note Identical bits for any thread count, as without a variant.
+template <class T, class Variant, std::enable_if_t<is_variant_v<Variant>, int> = 0>
+void attention_heads_backward(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
+                              const Tensor3<T>& dO, const Variant& variant,
+                              const AttentionOptions<detail::identity_t<T>>& options,
+                              const HeadOptions<detail::identity_t<T>>& per_head,
+                              HeadGrads<T>& grads) {
+  detail::heads_backward_variant<T>(
+      Q, K, V, dO, variant, options, per_head, grads,
+      static_cast<typename detail::GradientOf<Variant>::type*>(nullptr));
+}
+
+/// Gradients of `attention_heads` with a learnable variant (`variant_learns_v`, such as
+/// `T5Bias`): as the overload above, and the gradient of its parameters, each head's summed in a
+/// fixed order and then the heads' in head order (the same bits for any thread count).
+/// \param Q, K, V, dO, variant, options, per_head, grads  as in the overload above
+/// \param dparams  receives dL / d(the variant's parameters), as `Variant::Gradient`
+/// \throws shape_error on mismatched shapes or invalid options.
+template <class T, class Variant, std::enable_if_t<variant_learns_v<Variant>, int> = 0>
+void attention_heads_backward(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
+                              const Tensor3<T>& dO, const Variant& variant,
+                              const AttentionOptions<detail::identity_t<T>>& options,
+                              const HeadOptions<detail::identity_t<T>>& per_head,
+                              HeadGrads<T>& grads, typename Variant::Gradient& dparams) {
+  detail::heads_backward_variant<T>(Q, K, V, dO, variant, options, per_head, grads, &dparams);
+}
+
+/// Gradients of `attention_heads` with a variant (see the overload writing into caller storage).
+/// \param Q         (heads, n, d_k): query heads
+/// \param K         (kv_heads, m, d_k): key heads, with heads % kv_heads == 0
+/// \param V         (kv_heads, m, d_v): value heads
+/// \param dO        (heads, n, d_v): gradient of the loss with respect to the output
+/// \param variant   a variant (`is_variant_v`) with `dscore` wherever it has `score`
+/// \param options   the forward's shared options
+/// \param per_head  the forward's per-head values
+/// \returns `{dQ, dK, dV, dbias, dsink, dbiases, dsinks}`
+template <class T, class Variant, std::enable_if_t<is_variant_v<Variant>, int> = 0>
+HeadGrads<T> attention_heads_backward(const Tensor3<T>& Q, const Tensor3<T>& K, const Tensor3<T>& V,
+                                      const Tensor3<T>& dO, const Variant& variant,
+                                      const AttentionOptions<detail::identity_t<T>>& options = {},
+                                      const HeadOptions<detail::identity_t<T>>& per_head = {}) {
+  HeadGrads<T> grads;
+  attention_heads_backward(Q, K, V, dO, variant, options, per_head, grads);
   return grads;
 }
 

@@ -20,6 +20,7 @@
 #include "detail/paths.hpp"
 #include "detail/score_rule.hpp"
 #include "error.hpp"
+#include "flash.hpp"
 #include "heads.hpp"
 #include "kv_cache.hpp"
 #include "projection.hpp"
@@ -28,6 +29,7 @@
 #include "tensor.hpp"
 #include "threads.hpp"
 #include "types.hpp"
+#include "variant.hpp"
 
 namespace attn {
 namespace detail {
@@ -396,11 +398,74 @@ class MultiHeadAttention {
   void forward(const Tensor3<T>& query, const Tensor3<T>& key, const Tensor3<T>& value,
                const MultiHeadOptions<T>& options, MultiHeadWorkspace<T>& workspace,
                MultiHeadResult<T>& result) const {
+    forward_with<detail::NoVariant>(query, key, value, nullptr, options, workspace, result);
+  }
+
+  /// `forward` with a variant (variant.hpp, docs/variants.md): head h of batch item b sees it as
+  /// `ScoreAt::batch` b, `head` h and `kv_head` its key/value head, at the positions of the
+  /// item's queries and keys; the appended keys (add_bias_kv, add_zero_attn) are seen by every
+  /// query, as without a variant. Each head runs the tiled kernel.
+  /// \param query    (batch, n, embed_dim)
+  /// \param key      (batch, m, kdim)
+  /// \param value    (batch, m, vdim)
+  /// \param variant  a variant (`is_variant_v`); `checked(variant)` checks every head's tiles
+  /// \param options  as without a variant, except `need_weights` (refused: the weights with a
+  ///                 variant come from `attention_with_weights` or `trace_attention`)
+  /// \returns output (batch, n, embed_dim)
+  /// \throws shape_error as `forward`, or when `need_weights` is set.
+  template <class Variant, std::enable_if_t<is_variant_v<Variant>, int> = 0>
+  MultiHeadResult<T> forward(const Tensor3<T>& query, const Tensor3<T>& key,
+                             const Tensor3<T>& value, const Variant& variant,
+                             const MultiHeadOptions<T>& options = {}) const {
+    MultiHeadResult<T> result;
+    forward(query, key, value, variant, options, detail::thread_workspace<T>(), result);
+    return result;
+  }
+
+  /// `forward` with a variant into caller storage (see the overloads above).
+  /// \param query      (batch, n, embed_dim)
+  /// \param key        (batch, m, kdim)
+  /// \param value      (batch, m, vdim)
+  /// \param variant    a variant (`is_variant_v`)
+  /// \param options    as for the overload returning its result
+  /// \param workspace  working memory, any state
+  /// \param result     its output overwritten; no weights
+  /// \throws shape_error as `forward`, or when `need_weights` is set.
+  template <class Variant, std::enable_if_t<is_variant_v<Variant>, int> = 0>
+  void forward(const Tensor3<T>& query, const Tensor3<T>& key, const Tensor3<T>& value,
+               const Variant& variant, const MultiHeadOptions<T>& options,
+               MultiHeadWorkspace<T>& workspace, MultiHeadResult<T>& result) const {
+    check_variant<Variant, T>();
+    forward_with<Variant>(query, key, value, &variant, options, workspace, result);
+  }
+
+  /// Self-attention of one sequence with a variant: `forward(X, X, X, variant)` without the batch
+  /// dimension.
+  /// \param X        (n, embed_dim); requires kdim == vdim == embed_dim
+  /// \param variant  a variant (`is_variant_v`)
+  /// \param options  as for the batched `forward` with a variant
+  /// \returns (n, embed_dim)
+  template <class Variant, std::enable_if_t<is_variant_v<Variant>, int> = 0>
+  Matrix<T> forward(const Matrix<T>& X, const Variant& variant,
+                    const MultiHeadOptions<T>& options = {}) const {
+    Tensor3<T> x(1, X.rows(), X.cols());
+    detail::slice(x, 0) = X;
+    const MultiHeadResult<T> result = forward(x, x, x, variant, options);
+    return detail::slice(result.output, 0);
+  }
+
+ private:
+  /// `forward`, with `variant` unless null (Variant NoVariant).
+  template <class Variant>
+  void forward_with(const Tensor3<T>& query, const Tensor3<T>& key, const Tensor3<T>& value,
+                    const Variant* variant, const MultiHeadOptions<T>& options,
+                    MultiHeadWorkspace<T>& workspace, MultiHeadResult<T>& result) const {
     const char* function = "MultiHeadAttention::forward";
     const Index batch = query.dimension(0);
     const Index n = query.dimension(1);
     const Index m = key.dimension(1);
     check_inputs(function, query, key, value, options);
+    check_variant_call(function, variant, options, batch, n, m);
 
     // 1. Projections: one GEMM per operand over all batch items.
     MultiHeadWorkspace<T>& ws = workspace;
@@ -420,7 +485,7 @@ class MultiHeadAttention {
     detail::parallel_for<detail::LayerScratch<T>>(
         n > 0 ? batch * heads : 0, [&](Index bh, detail::LayerScratch<T>& s) {
           attend_head(ws, shared, options, bh / heads, bh % heads, n, m, s, nullptr,
-                      options.need_weights ? per_head.data() + bh * n * keys : nullptr);
+                      options.need_weights ? per_head.data() + bh * n * keys : nullptr, variant);
         });
     if (options.need_weights && options.average_weights) {
       detail::resize_large(result.weights, ws.large_pages, batch, n, keys);
@@ -443,6 +508,7 @@ class MultiHeadAttention {
     project_into(ws.concat, W_O, b_O, output);
   }
 
+ public:
   /// Self-attention of one sequence: `forward(X, X, X)` without the batch dimension.
   /// \param X        (n, embed_dim); requires kdim == vdim == embed_dim
   /// \param options  as for the batched `forward`; `key_valid`, when set, is 1 x n
@@ -491,11 +557,80 @@ class MultiHeadAttention {
   void backward(const Tensor3<T>& query, const Tensor3<T>& key, const Tensor3<T>& value,
                 const Tensor3<T>& d_output, const MultiHeadOptions<T>& options,
                 MultiHeadWorkspace<T>& workspace, MultiHeadGrads<T>& grads) const {
+    backward_with<detail::NoVariant>(query, key, value, d_output, nullptr, options, workspace,
+                                     grads, nullptr);
+  }
+
+  /// Gradients of the layer with a variant (see `forward` with a variant): each head's backward
+  /// with the variant bound to its batch item, head and key/value head (its score through
+  /// `dscore`; a key its mask forbids gets exactly zero gradient).
+  /// \param query     (batch, n, embed_dim)
+  /// \param key       (batch, m, kdim)
+  /// \param value     (batch, m, vdim)
+  /// \param d_output  (batch, n, embed_dim)
+  /// \param variant   a variant (`is_variant_v`) with `dscore` wherever it has `score`
+  /// \param options   the forward's options
+  /// \returns as `backward` without a variant
+  /// \throws shape_error as `backward`.
+  template <class Variant, std::enable_if_t<is_variant_v<Variant>, int> = 0>
+  MultiHeadGrads<T> backward(const Tensor3<T>& query, const Tensor3<T>& key,
+                             const Tensor3<T>& value, const Tensor3<T>& d_output,
+                             const Variant& variant,
+                             const MultiHeadOptions<T>& options = {}) const {
+    MultiHeadGrads<T> grads;
+    backward(query, key, value, d_output, variant, options, detail::thread_workspace<T>(), grads);
+    return grads;
+  }
+
+  /// `backward` with a variant into caller storage.
+  /// \param query, key, value, d_output, variant, options  as in the overload above
+  /// \param workspace  working memory, any state
+  /// \param grads      overwritten like the value `backward` returns
+  /// \throws shape_error as `backward`.
+  template <class Variant, std::enable_if_t<is_variant_v<Variant>, int> = 0>
+  void backward(const Tensor3<T>& query, const Tensor3<T>& key, const Tensor3<T>& value,
+                const Tensor3<T>& d_output, const Variant& variant,
+                const MultiHeadOptions<T>& options, MultiHeadWorkspace<T>& workspace,
+                MultiHeadGrads<T>& grads) const {
+    check_variant<Variant, T, true>();
+    backward_with<Variant>(query, key, value, d_output, &variant, options, workspace, grads,
+                           nullptr);
+  }
+
+  /// `backward` with a learnable variant (`variant_learns_v`, such as `T5Bias`), its parameters'
+  /// gradient included: each (batch item, head)'s summed in a fixed order, then theirs in item
+  /// and head order (the same bits for any thread count).
+  /// \param query, key, value, d_output, variant, options, workspace, grads  as above
+  /// \param dparams  receives dL / d(the variant's parameters), as `Variant::Gradient`
+  /// \throws shape_error as `backward`.
+  template <class Variant, std::enable_if_t<variant_learns_v<Variant>, int> = 0>
+  void backward(const Tensor3<T>& query, const Tensor3<T>& key, const Tensor3<T>& value,
+                const Tensor3<T>& d_output, const Variant& variant,
+                const MultiHeadOptions<T>& options, MultiHeadWorkspace<T>& workspace,
+                MultiHeadGrads<T>& grads, typename Variant::Gradient& dparams) const {
+    check_variant<Variant, T, true>();
+    backward_with<Variant>(query, key, value, d_output, &variant, options, workspace, grads,
+                           &dparams);
+  }
+
+ private:
+  /// `backward`, with `variant` unless null (Variant NoVariant), its parameters' gradient into
+  /// `dparams` when not null.
+  template <class Variant>
+  void backward_with(const Tensor3<T>& query, const Tensor3<T>& key, const Tensor3<T>& value,
+                     const Tensor3<T>& d_output, const Variant* variant,
+                     const MultiHeadOptions<T>& options, MultiHeadWorkspace<T>& workspace,
+                     MultiHeadGrads<T>& grads,
+                     typename detail::GradientOf<Variant>::type* dparams) const {
+    using Gradient = typename detail::GradientOf<Variant>::type;
     const char* function = "MultiHeadAttention::backward";
     const Index batch = query.dimension(0);
     const Index n = query.dimension(1);
     const Index m = key.dimension(1);
     check_inputs(function, query, key, value, options);
+    MultiHeadOptions<T> forward_options = options;
+    forward_options.need_weights = false;  // the backward computes no weights
+    check_variant_call(function, variant, forward_options, batch, n, m);
     if (d_output.dimension(0) != batch || d_output.dimension(1) != n ||
         d_output.dimension(2) != config_.embed_dim) {
       detail::fail(function, "d_output is ", detail::dims_of(d_output), " but query is ",
@@ -520,7 +655,7 @@ class MultiHeadAttention {
     detail::parallel_for<detail::LayerScratch<T>>(
         n > 0 ? batch * heads : 0, [&](Index bh, detail::LayerScratch<T>& s) {
           attend_head(ws, shared, options, bh / heads, bh % heads, n, m, s, ws.lse.data() + bh * n,
-                      nullptr);
+                      nullptr, variant);
         });
 
     // 2. Output projection Y = C W_O + b_O: dW_O = C^T dY, db_O = colsum(dY), dC = dY W_O^T.
@@ -546,6 +681,7 @@ class MultiHeadAttention {
       ws.dK_extra.setZero();
       ws.dV_extra.setZero();
     }
+    std::vector<Gradient> dparams_heads(dparams ? static_cast<std::size_t>(batch * heads) : 0);
     detail::tasks_or_kernels<detail::LayerBackwardScratch<T>>(
         n > 0 ? batch * kv_heads : 0, [&](Index bkv, detail::LayerBackwardScratch<T>& s) {
           const Index b = bkv / kv_heads;
@@ -561,7 +697,9 @@ class MultiHeadAttention {
             if (m > 0) {
               detail::backward_kernel<T>(
                   q, ws.K.block(b * m, kv * hd, m, hd), ws.V.block(b * m, kv * hd, m, hd), o, s.lse,
-                  d_o, rule, detail::backward_path(rule, hd, hd), BackwardTiles{}, s.keys);
+                  d_o, rule, detail::backward_path(rule, hd, hd), BackwardTiles{}, s.keys,
+                  detail::BoundVariant<Variant>{variant, b, h, kv},
+                  dparams ? &dparams_heads[static_cast<std::size_t>(b * heads + h)] : nullptr);
               dq = s.keys.dQ;
               accumulate(ws.dK.block(b * m, kv * hd, m, hd), s.keys.dK, first);
               accumulate(ws.dV.block(b * m, kv * hd, m, hd), s.keys.dV, first);
@@ -597,8 +735,15 @@ class MultiHeadAttention {
       grads.d_bias_k.resize(0);
       grads.d_bias_v.resize(0);
     }
+    if constexpr (variant_learns_v<Variant>) {
+      if (dparams) {  // in item and head order
+        *dparams = variant->zero_gradient();
+        for (const Gradient& g : dparams_heads) *dparams += g;
+      }
+    }
   }
 
+ public:
   /// One step of a decoder over a key/value cache: projects x to queries, keys and values, rotates
   /// them by `rope` when set (at the positions that continue the cache's), appends the keys and
   /// values to `cache`, attends the queries over everything the cache keeps (causal; the queries
@@ -618,6 +763,29 @@ class MultiHeadAttention {
   template <class DX>
   Matrix<T> forward_step(const Eigen::MatrixBase<DX>& x, KVCache<T>& cache,
                          const AttentionOptions<T>& options = {}) const {
+    return forward_step_with<detail::NoVariant>(x, cache, nullptr, options);
+  }
+
+  /// `forward_step` with a variant: the cache attends with it (`KVCache::attend` with a variant:
+  /// each query and key at its absolute position, query head h as `ScoreAt::head`).
+  /// \param x        n x embed_dim, the new tokens
+  /// \param cache    as for `forward_step`; appended to
+  /// \param variant  a variant (`is_variant_v`)
+  /// \param options  the cache's attention options
+  /// \returns n x embed_dim
+  /// \throws shape_error as `forward_step`.
+  template <class DX, class Variant, std::enable_if_t<is_variant_v<Variant>, int> = 0>
+  Matrix<T> forward_step(const Eigen::MatrixBase<DX>& x, KVCache<T>& cache, const Variant& variant,
+                         const AttentionOptions<T>& options = {}) const {
+    check_variant<Variant, T>();
+    return forward_step_with<Variant>(x, cache, &variant, options);
+  }
+
+ private:
+  /// `forward_step`, with `variant` unless null (Variant NoVariant).
+  template <class Variant, class DX>
+  Matrix<T> forward_step_with(const Eigen::MatrixBase<DX>& x, KVCache<T>& cache,
+                              const Variant* variant, const AttentionOptions<T>& options) const {
     const char* function = "MultiHeadAttention::forward_step";
     static_assert(std::is_same_v<typename DX::Scalar, T>, "x must have the layer's scalar type");
     const Index hd = head_dim();
@@ -658,12 +826,17 @@ class MultiHeadAttention {
     }
     cache.append(K, V);
     Matrix<T> heads_out;
-    cache.attend(Q, options, heads_out);
+    if constexpr (is_variant_v<Variant>) {
+      cache.attend(Q, *variant, options, {}, heads_out);
+    } else {
+      cache.attend(Q, options, heads_out);
+    }
     Matrix<T> out;
     project_into(heads_out, W_O, b_O, out);
     return out;
   }
 
+ public:
   /// Gradients of the single-sequence self-attention `forward(X)`: `backward(X, X, X, ...)`
   /// without the batch dimension.
   /// \param X         (n, embed_dim); requires kdim == vdim == embed_dim
@@ -793,6 +966,32 @@ class MultiHeadAttention {
     detail::resize_large(ws.concat, ws.large_pages, batch * n, config_.num_heads * head_dim());
   }
 
+  /// A call with a variant refuses the weights output and, in the checking mode (`checked`),
+  /// checks every (batch item, head)'s tiles before anything is computed. Nothing without one.
+  template <class Variant>
+  void check_variant_call(const char* function, const Variant* variant,
+                          const MultiHeadOptions<T>& options, Index batch, Index n, Index m) const {
+    if constexpr (is_variant_v<Variant>) {
+      if (options.need_weights) {
+        detail::fail(function, "need_weights with a variant: its weights come from ",
+                     "attention_with_weights or trace_attention with the same variant");
+      }
+      if constexpr (detail::is_checked<Variant>::value) {
+        const detail::ScoreRule<T> shared = detail::make_rule<T>(options, n, m, head_dim());
+        const Index group = config_.num_heads / config_.num_kv_heads;
+        for (Index b = 0; b < batch; ++b) {
+          for (Index h = 0; h < config_.num_heads; ++h) {
+            detail::check_kernel_tiles<T>(item_head_rule(shared, options, b, h, m), FlashTiles{},
+                                          detail::BoundVariant<Variant>{variant, b, h, h / group});
+          }
+        }
+      }
+    } else {
+      static_cast<void>(function), static_cast<void>(variant), static_cast<void>(options);
+      static_cast<void>(batch), static_cast<void>(n), static_cast<void>(m);
+    }
+  }
+
   /// The rule of head h of batch item b over the item's m keys: the call's rule, head h's values
   /// from `options.per_head`, the item's row of key padding.
   static detail::ScoreRule<T> item_head_rule(const detail::ScoreRule<T>& shared,
@@ -821,9 +1020,11 @@ class MultiHeadAttention {
   /// when not null; its weights into `weights` (n x (m + extra)) when not null. The appended
   /// keys (add_bias_kv, add_zero_attn) are a second block of keys, merged with the first by
   /// log-sum-exp (`detail::merge_partial`); the sink is then added once (`detail::merge_sink`).
+  /// With a variant (not null), the item's keys run the tiled kernel with it.
+  template <class Variant>
   void attend_head(MultiHeadWorkspace<T>& ws, const detail::ScoreRule<T>& shared,
                    const MultiHeadOptions<T>& options, Index b, Index h, Index n, Index m,
-                   detail::LayerScratch<T>& s, T* lse, T* weights) const {
+                   detail::LayerScratch<T>& s, T* lse, T* weights, const Variant* variant) const {
     constexpr T neg_inf = -std::numeric_limits<T>::infinity();
     const Index hd = head_dim();
     const Index kv = h / (config_.num_heads / config_.num_kv_heads);
@@ -840,9 +1041,15 @@ class MultiHeadAttention {
     }
     if (lse) std::fill(lse, lse + n, neg_inf);
     if (m > 0) {
-      detail::run_path<T>(detail::choose_path(rule, hd, hd, weights != nullptr), q,
-                          ws.K.block(b * m, kv * hd, m, hd), ws.V.block(b * m, kv * hd, m, hd),
-                          rule, s.path, o, lse);
+      const detail::ConstRef<T> k = ws.K.block(b * m, kv * hd, m, hd);
+      const detail::ConstRef<T> v = ws.V.block(b * m, kv * hd, m, hd);
+      if constexpr (is_variant_v<Variant>) {
+        detail::flash_blocks<T>(q, k, v, rule, FlashTiles{}, s.path.flash, o, lse,
+                                detail::BoundVariant<Variant>{variant, b, h, kv});
+      } else {
+        detail::run_path<T>(detail::choose_path(rule, hd, hd, weights != nullptr), q, k, v, rule,
+                            s.path, o, lse);
+      }
     } else {
       o.setZero();  // no key: a zero row (and no view into the empty K and V)
     }
