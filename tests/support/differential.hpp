@@ -13,7 +13,10 @@
 /// 3. The checks: every forward path (single head, several heads incl. GQA, KVCache token by
 ///    token and chunked, MultiHeadAttention) against the reference, and the paths against each
 ///    other where the contract says they agree bit for bit (thread counts, hot-path overloads,
-///    log-sum-exp overload).
+///    log-sum-exp overload). A single-head case also draws a ready variant (variant.hpp) or a
+///    composition of them, which the reference folds into its mask, bias or softcap, and runs the
+///    paths that take one (the tiled kernel, the weights, the decoding kernel through
+///    attention_heads).
 /// 4. A shrinker that reduces a failing single-head case and prints it as a C++ snippet.
 ///
 /// The contract, as the reference reads it (API.md, Conventions):
@@ -942,6 +945,228 @@ RefProblem ref_problem(const DQ& Q, const DK& K, const DV& V, const attn::Attent
 // Single head: every forward path of one (Q, K, V, options)
 // ================================================================================================
 
+// ================================================================================================
+// Variants (variant.hpp): the ready ones, drawn at run time behind two types (one with key ranges
+// and a score, one with a mask), so that each path is instantiated twice, not once per variant
+// ================================================================================================
+
+/// A mask as key ranges: causal, documents, prefix-LM, or documents and prefix-LM.
+struct DrawnRanges {
+  int kind = 0;
+  attn::CausalMask causal;
+  std::optional<attn::DocumentMask> documents;
+  attn::PrefixLM prefix{0};
+  std::optional<attn::Both<attn::DocumentMask, attn::PrefixLM>> documents_and_prefix;
+  attn::PositionRange keys(const attn::ScoreAt& at) const {
+    switch (kind) {
+      case 0:
+        return causal.keys(at);
+      case 1:
+        return documents->keys(at);
+      case 2:
+        return prefix.keys(at);
+      default:
+        return documents_and_prefix->keys(at);
+    }
+  }
+  attn::TileKind tile(const attn::TileAt& at) const {
+    switch (kind) {
+      case 0:
+        return attn::classify_tile(causal, at);
+      case 1:
+        return attn::classify_tile(*documents, at);
+      case 2:
+        return attn::classify_tile(prefix, at);
+      default:
+        return attn::classify_tile(*documents_and_prefix, at);
+    }
+  }
+};
+
+/// A score modification: none, a one-head T5 table, or softcap (each with its derivative).
+template <class T>
+struct DrawnScore {
+  int kind = 0;
+  std::optional<attn::T5Bias<T>> t5;
+  attn::Softcap<T> softcap{T(1)};
+  T score(T s, const attn::ScoreAt& at) const {
+    if (kind == 1) return t5->score(s, at);
+    if (kind == 2) return softcap.score(s, at);
+    return s;
+  }
+  T dscore(T s, const attn::ScoreAt& at) const {
+    if (kind == 1) return t5->dscore(s, at);
+    if (kind == 2) return softcap.dscore(s, at);
+    return T(1);
+  }
+};
+
+/// A mask key by key: a dilated window, a tree, a prefix-LM or a dilated window, documents and a
+/// dilated window.
+struct DrawnMask {
+  int kind = 0;
+  std::optional<attn::DilatedWindow> dilated;
+  std::optional<attn::TreeMask> tree;
+  std::optional<attn::Either<attn::PrefixLM, attn::DilatedWindow>> prefix_or_dilated;
+  std::optional<attn::Both<attn::DocumentMask, attn::DilatedWindow>> documents_and_dilated;
+  bool allowed(const attn::ScoreAt& at) const {
+    switch (kind) {
+      case 0:
+        return attn::variant_allows(*dilated, at);
+      case 1:
+        return attn::variant_allows(*tree, at);
+      case 2:
+        return attn::variant_allows(*prefix_or_dilated, at);
+      default:
+        return attn::variant_allows(*documents_and_dilated, at);
+    }
+  }
+  attn::TileKind tile(const attn::TileAt& at) const {
+    switch (kind) {
+      case 0:
+        return attn::classify_tile(*dilated, at);
+      case 1:
+        return attn::classify_tile(*tree, at);
+      case 2:
+        return attn::classify_tile(*prefix_or_dilated, at);
+      default:
+        return attn::classify_tile(*documents_and_dilated, at);
+    }
+  }
+};
+
+/// The variant a single-head case also runs with (none in some cases), and its description.
+template <class T>
+struct DrawnVariant {
+  int type = 0;  ///< 0 none, 1 ranges and score, 2 mask
+  DrawnRanges ranges;
+  DrawnScore<T> score;
+  DrawnMask mask;
+  std::string text;
+};
+
+/// Boundaries of a few documents over positions [0, total): some empty, some of one token.
+inline std::vector<Index> draw_offsets(ByteSource& bytes, Index total) {
+  std::vector<Index> offsets = {0};
+  const Index count = bytes.range(1, 5);
+  for (Index d = 1; d < count; ++d) {
+    offsets.push_back(
+        std::min(total, offsets.back() + bytes.range(0, std::max<Index>(1, total / 2))));
+  }
+  offsets.push_back(std::max(offsets.back(), total - bytes.range(0, 2)));
+  return offsets;
+}
+
+inline std::string describe_offsets(const std::vector<Index>& offsets) {
+  std::ostringstream s;
+  for (std::size_t i = 0; i < offsets.size(); ++i) s << (i ? "," : "") << offsets[i];
+  return s.str();
+}
+
+/// Draws the variant of a case of m keys with options `o` (a score only where the reference can
+/// fold it in: T5's table into an absent bias, softcap into an absent softcap).
+template <class T>
+DrawnVariant<T> draw_variant(ByteSource& bytes, Bulk& bulk, Index m,
+                             const attn::AttentionOptions<T>& o) {
+  DrawnVariant<T> v;
+  v.type = static_cast<int>(bytes.below(3));
+  std::ostringstream text;
+  if (v.type == 1) {
+    DrawnRanges& r = v.ranges;
+    r.kind = static_cast<int>(bytes.below(4));
+    const std::vector<Index> offsets = draw_offsets(bytes, m);
+    const bool causal = bytes.chance(128);
+    r.prefix.prefix = bytes.range(0, m);
+    if (r.kind == 1 || r.kind == 3) r.documents.emplace(offsets, causal);
+    if (r.kind == 3) r.documents_and_prefix.emplace(attn::both(*r.documents, r.prefix));
+    const char* names[] = {"CausalMask", "DocumentMask", "PrefixLM",
+                           "both(DocumentMask, PrefixLM)"};
+    text << names[r.kind];
+    if (r.kind == 1 || r.kind == 3) {
+      text << " documents {" << describe_offsets(offsets) << "}" << (causal ? " causal" : "");
+    }
+    if (r.kind >= 2) text << " prefix " << r.prefix.prefix;
+    DrawnScore<T>& sc = v.score;
+    sc.kind = static_cast<int>(bytes.below(3));
+    // The variant's score comes before the options' softcap: with one set, the reference could
+    // not fold the variant in.
+    if (o.softcap || (sc.kind == 1 && o.bias)) sc.kind = 0;
+    if (sc.kind == 1) {
+      const Index buckets = bytes.pick<Index>({2, 4, 8, 32});
+      const Index distance = buckets + bytes.pick<Index>({1, 8, 100});  // past the exact buckets
+      const bool bidirectional = bytes.chance(128);
+      sc.t5.emplace(1, buckets, distance, bidirectional);
+      for (Index b = 0; b < buckets; ++b) sc.t5->table()(0, b) = static_cast<T>(bulk.normal());
+      text << " and T5Bias(" << buckets << " buckets, " << distance
+           << (bidirectional ? ", bidirectional)" : ", causal)");
+    } else if (sc.kind == 2) {
+      sc.softcap.cap = bytes.pick<T>({T(0.5), T(2), T(30)});
+      text << " and Softcap{" << literal(sc.softcap.cap) << "}";
+    }
+  } else if (v.type == 2) {
+    DrawnMask& k = v.mask;
+    k.kind = static_cast<int>(bytes.below(4));
+    const Index window = bytes.range(1, 8);
+    const Index dilation = bytes.range(1, 3);
+    const attn::DilatedWindow dilated(window, dilation);
+    std::ostringstream w;
+    w << "DilatedWindow(" << window << ", " << dilation << ")";
+    if (k.kind == 0) {
+      k.dilated.emplace(dilated);
+      text << w.str();
+    } else if (k.kind == 1) {
+      const Index prefix = bytes.range(0, m);
+      const Index drafts = bytes.range(0, std::max<Index>(0, m - prefix) + 2);
+      std::vector<Index> parents;
+      for (Index i = 0; i < drafts; ++i) parents.push_back(bytes.range(-1, i - 1));
+      k.tree.emplace(prefix, parents);
+      text << "TreeMask(prefix " << prefix << ", parents {" << describe_offsets(parents) << "})";
+    } else if (k.kind == 2) {
+      const Index prefix = bytes.range(0, m);
+      k.prefix_or_dilated.emplace(attn::either(attn::PrefixLM{prefix}, dilated));
+      text << "either(PrefixLM " << prefix << ", " << w.str() << ")";
+    } else {
+      const std::vector<Index> offsets = draw_offsets(bytes, m);
+      const bool causal = bytes.chance(128);
+      k.documents_and_dilated.emplace(attn::both(attn::DocumentMask(offsets, causal), dilated));
+      text << "both(DocumentMask {" << describe_offsets(offsets) << "}" << (causal ? " causal" : "")
+           << ", " << w.str() << ")";
+    }
+  }
+  v.text = text.str();
+  return v;
+}
+
+/// Folds the variant into a reference problem: its mask into `allowed`, a T5 table into the
+/// (absent) bias, softcap into the (absent) softcap. Query i stands at `p.offset + i`.
+template <class T>
+void fold_variant(const DrawnVariant<T>& v, RefProblem& p) {
+  const Index n = p.Q.rows();
+  const Index m = p.K.rows();
+  const auto at = [&](Index i, Index j) {
+    const Index q = p.offset + i;
+    return attn::ScoreAt{0, 0, 0, q, j, q, j};
+  };
+  if (v.type == 2 || v.type == 1) {
+    for (Index i = 0; i < n; ++i) {
+      for (Index j = 0; j < m; ++j) {
+        const bool allowed = v.type == 1 ? attn::variant_allows(v.ranges, at(i, j))
+                                         : attn::variant_allows(v.mask, at(i, j));
+        if (!allowed) p.allowed(i, j) = false;
+      }
+    }
+  }
+  if (v.type != 1) return;
+  if (v.score.kind == 1) {
+    p.bias = LMatrix(n, m);
+    for (Index i = 0; i < n; ++i) {
+      for (Index j = 0; j < m; ++j) (*p.bias)(i, j) = ld(v.score.score(T(0), at(i, j)));
+    }
+  } else if (v.score.kind == 2) {
+    p.softcap = ld(v.score.softcap.cap);
+  }
+}
+
 template <class T>
 struct SingleCase {
   attn::Matrix<T> Q, K, V;
@@ -949,6 +1174,7 @@ struct SingleCase {
   attn::FlashTiles tiles;
   std::vector<Placed> placed;
   int magnified = 0;  ///< Q and K were multiplied by 2^magnified, the scale divided by its square
+  DrawnVariant<T> variant;  ///< run by the variant paths too (drawn last: the rest as before)
 };
 
 template <class T>
@@ -992,6 +1218,7 @@ SingleCase<T> make_single(ByteSource& bytes) {
     c.K *= std::ldexp(T(1), c.magnified);
     c.options.scale = std::ldexp(scale, -2 * c.magnified);
   }
+  c.variant = draw_variant<T>(bytes, bulk, m, c.options);
   return c;
 }
 
@@ -1002,6 +1229,7 @@ std::string describe(const SingleCase<T>& c) {
     << c.V.cols() << "; " << describe_options(c.options) << "; tiles " << c.tiles.query_rows
     << " x " << c.tiles.key_cols << ";";
   if (c.magnified) s << " Q and K times 2^" << c.magnified << ";";
+  if (c.variant.type != 0) s << " variant " << c.variant.text << ";";
   if (c.placed.empty()) s << " no special values";
   s << describe_placed(c.placed);
   return s.str();
@@ -1018,8 +1246,66 @@ inline const std::vector<std::string>& single_paths() {
                                                  "flash_attention(lse, tiles)",
                                                  "flash_attention(out)",
                                                  "trace_attention",
-                                                 "threads 1 vs 2"};
+                                                 "threads 1 vs 2",
+                                                 "variant flash_attention(lse, tiles)",
+                                                 "variant flash_attention(out)",
+                                                 "variant attention_with_weights",
+                                                 "variant attention_heads"};
   return names;
+}
+
+/// The paths that take a variant, on the case with `variant` (the case's drawn one), against the
+/// reference with the variant folded in.
+template <class T, class V>
+void check_variant_paths(const SingleCase<T>& c, const V& variant, Failures& f,
+                         const std::string& only) {
+  RefProblem p = ref_problem<T>(c.Q, c.K, c.V, c.options);
+  fold_variant(c.variant, p);
+  const Reference r = reference(p);
+  const Index m = c.K.rows();
+  const Index dv = c.V.cols();
+  const auto want = [&](const char* name) { return only.empty() || only == name; };
+  const auto& o = c.options;
+  if (want("variant flash_attention(lse, tiles)")) {
+    const char* path = "variant flash_attention(lse, tiles)";
+    guarded(f, path, [&] {
+      attn::Vector<T> lse;
+      const attn::Matrix<T> out = attn::flash_attention(c.Q, c.K, c.V, variant, o, lse, c.tiles);
+      compare_matrix(f, path, "output", out, r.out, r, dv);
+      compare_vector(f, path, "log_sum_exp", lse, r.lse, r);
+    });
+  }
+  if (want("variant flash_attention(out)")) {
+    const char* path = "variant flash_attention(out)";
+    guarded(f, path, [&] {
+      attn::Matrix<T> out(2, 1);
+      attn::flash_attention(c.Q, c.K, c.V, variant, o, out);
+      compare_matrix(f, path, "output", out, r.out, r, dv);
+    });
+  }
+  if (want("variant attention_with_weights")) {
+    const char* path = "variant attention_with_weights";
+    guarded(f, path, [&] {
+      const attn::Attention<T> a = attn::attention_with_weights(c.Q, c.K, c.V, variant, o);
+      compare_matrix(f, path, "output", a.output, r.out, r, dv);
+      compare_matrix(f, path, "weights", a.weights, r.weights, r, m);
+    });
+  }
+  // One head of attention_heads: one query runs the decoding kernel with the variant.
+  if (want("variant attention_heads")) {
+    const char* path = "variant attention_heads";
+    guarded(f, path, [&] {
+      const auto tensor = [](const attn::Matrix<T>& X) {
+        attn::Tensor3<T> t(1, X.rows(), X.cols());
+        std::copy(X.data(), X.data() + X.size(), t.data());
+        return t;
+      };
+      const attn::Tensor3<T> out =
+          attn::attention_heads(tensor(c.Q), tensor(c.K), tensor(c.V), variant, o);
+      compare_matrix(f, path, "output",
+                     Eigen::Map<const attn::Matrix<T>>(out.data(), c.Q.rows(), dv), r.out, r, dv);
+    });
+  }
 }
 
 template <class T>
@@ -1119,6 +1405,11 @@ void check_single(const SingleCase<T>& c, Failures& f, const std::string& only =
     });
   }
 #endif
+  if (c.variant.type == 1) {
+    check_variant_paths(c, attn::both(c.variant.ranges, c.variant.score), f, only);
+  } else if (c.variant.type == 2) {
+    check_variant_paths(c, c.variant.mask, f, only);
+  }
 }
 
 // ================================================================================================
