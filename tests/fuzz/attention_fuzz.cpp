@@ -2,8 +2,9 @@
 /// scalar (even: float, odd: double), the rest describe one case (shapes, options, special values,
 /// the seed of the bulk values, a variant). Every forward path is checked against the long-double
 /// reference; a failure prints the case (and, for a single head, a shrunk C++ reproducer) and
-/// aborts, so that libFuzzer keeps the input as a crash file. Re-run one: ./attention_fuzz crash-<hash>
-/// (ATTN_FUZZ_PRINT=1 prints each case before it runs, for inputs that a sanitizer stops).
+/// aborts, so that libFuzzer keeps the input as a crash file. Re-run one:
+/// ./attention_fuzz crash-<hash> (ATTN_FUZZ_PRINT=1 prints each case before it runs, for inputs
+/// that a sanitizer stops).
 
 #include <cstdint>
 #include <cstdio>
