@@ -487,6 +487,43 @@ TYPED_TEST(RingAttention, DocumentMask) {
                         true, 45);
 }
 
+TYPED_TEST(RingAttention, AVariantsEmptyPairsAreNeitherComputedNorSent) {
+  // Two documents of 60 tokens: a rank's queries never see the other document's keys. As a
+  // variant the ring skips those pairs (and does not pass on blocks no rank further needs); as
+  // the same mask in a table it cannot know.
+  using T = TypeParam;
+  const Index N = 120, d = 8;
+  std::mt19937 rng(48);
+  const Matrix<T> Q = random_matrix<T>(N, d, rng), K = random_matrix<T>(N, d, rng);
+  const attn::DocumentMask documents({0, 60, 120}, false);
+  const Index q0 = N * world_rank() / world_size();  // even blocks: on 2 ranks, one document each
+  const Index n = N * (world_rank() + 1) / world_size() - q0;
+  const Index k0 = q0, m = n;
+  attn::AttentionOptions<T> table;
+  table.mask = attn::variant_mask(documents, N, N);
+  attn::RingStats with_variant, with_table;
+  const Matrix<T> a = attn::ring_attention(MPI_COMM_WORLD, Q.middleRows(q0, n), K.middleRows(k0, m),
+                                           K.middleRows(k0, m), documents, {}, with_variant);
+  const Matrix<T> b =
+      attn::ring_attention(MPI_COMM_WORLD, Q.middleRows(q0, n), K.middleRows(k0, m),
+                           K.middleRows(k0, m), rank_options(table, q0, n), with_table);
+  EXPECT_LE(within<T>(a, b, b), tolerance<T>());
+  const auto total = [](std::int64_t mine) {
+    std::int64_t sum = 0;
+    MPI_Allreduce(&mine, &sum, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    return sum;
+  };
+  const std::int64_t pairs_variant = total(with_variant.pairs_computed);
+  const std::int64_t pairs_table = total(with_table.pairs_computed);
+  EXPECT_LT(pairs_variant, pairs_table);
+  EXPECT_LT(total(with_variant.ring_bytes_sent), total(with_table.ring_bytes_sent));
+  if (world_rank() == 0) {
+    std::printf("documents on %d ranks: pairs computed %lld (variant) vs %lld (table)\n",
+                world_size(), static_cast<long long>(pairs_variant),
+                static_cast<long long>(pairs_table));
+  }
+}
+
 TYPED_TEST(RingAttention, HeadsWithAVariant) {
   using T = TypeParam;
   const Index h_q = 4, h_kv = 2, N = 90, d = 8;

@@ -1038,6 +1038,46 @@ TEST(VariantHeads, TheBackwardGivesEachHeadsRowOfALearnedTable) {
                attn::shape_error);
 }
 
+TEST(VariantPositions, AQueryOffsetPastTheIndexRangeIsRefusedNotWrapped) {
+  // Without a variant an offset near the end of the range means "after every key"; a variant
+  // would be shown positions past INT64_MAX, so every path refuses the call.
+  std::mt19937 rng(47);
+  const attn::Matrix<double> Q = attn_test::random_matrix<double>(40, 8, rng);
+  const attn::Matrix<double> K = attn_test::random_matrix<double>(40, 8, rng);
+  const attn::DocumentMask documents({0, 20, 40}, true);
+  attn::AttentionOptions<double> options;
+  attn::Tensor3<double> Qt(2, 40, 8), Kt(1, 40, 8);
+  Qt.setConstant(0.5);
+  Kt.setConstant(0.25);
+  attn::KVCache<double> cache(8, 8);
+  cache.append(K, K);
+  attn::MultiHeadAttention<double> layer(attn::MultiHeadConfig{8, 2}, 3);
+  const Index max = std::numeric_limits<Index>::max();
+  for (const Index offset : {max, max - 39, max - 20}) {
+    options.query_offset = offset;
+    attn_test::expect_shape_error([&] { attn::flash_attention(Q, K, K, documents, options); },
+                                  {"flash_attention", "positions of the queries"});
+    attn_test::expect_shape_error(
+        [&] { attn::attention_with_weights(Q, K, K, documents, options); }, {"trace_attention"});
+    attn_test::expect_shape_error([&] { attn::attention_backward(Q, K, K, K, documents, options); },
+                                  {"attention_backward"});
+    attn_test::expect_shape_error([&] { attn::attention_heads(Qt, Kt, Kt, documents, options); },
+                                  {"attention_heads"});
+    attn_test::expect_shape_error(
+        [&] { attn::attention_heads_backward(Qt, Kt, Kt, Qt, documents, options); },
+        {"attention_heads_backward"});
+    attn_test::expect_shape_error([&] { cache.attend(Q, documents, options); },
+                                  {"KVCache::attend"});
+    attn::MultiHeadOptions<double> layer_options;
+    layer_options.query_offset = offset;
+    attn_test::expect_shape_error([&] { layer.forward(Q, documents, layer_options); },
+                                  {"MultiHeadAttention::forward"});
+  }
+  // The last position that fits is a position like any other.
+  options.query_offset = max - 40;
+  EXPECT_TRUE(attn::flash_attention(Q, K, K, documents, options).isZero(0));  // past every document
+}
+
 // ---------------------------------------------------------------------------------------------
 // KVCache::attend with a variant: the cache's keys at their absolute positions.
 

@@ -182,6 +182,9 @@ AttentionTrace<typename DQ::Scalar> trace_attention(
   using T = typename DQ::Scalar;
   check_variant<Variant, T>();
   detail::check_attention("trace_attention", Q, K, V, options);
+  detail::require_variant_positions("trace_attention",
+                                    detail::query_position(options, Q.rows(), K.rows()), Q.rows(),
+                                    0, K.rows());
   return detail::trace_tables<T>(Q, K, V, options, detail::BoundVariant<Variant>{&variant});
 }
 

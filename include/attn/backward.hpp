@@ -85,6 +85,7 @@ void variant_backward(const char* function, const Eigen::MatrixBase<DQ>& Q,
   check_backward(function, Q, K, V, dO, options);
   if (tiles) require_tiles(function, *tiles);
   const ScoreRule<T> rule = make_rule(options, Q.rows(), K.rows(), Q.cols());
+  require_variant_positions(function, rule.q_position, rule.n, 0, rule.m);
   forward_and_backward<T>(
       Q, K, V, dO, rule, tiles ? Path::Tiled : backward_path(rule, Q.cols(), V.cols()),
       tiles ? *tiles : BackwardTiles{}, grads, BoundVariant<Variant>{&variant}, dparams);

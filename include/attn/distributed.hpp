@@ -210,22 +210,50 @@ std::int64_t move_rows(MPI_Comm comm, int rank, const RowLayout& from, const Row
   return bytes;
 }
 
-/// Which keys the queries of a range may see, by the causal and window bounds alone (a
-/// conservative test: masks and biases are left to the kernel). Query i (global) stands at key
-/// position i + shift.
-template <class T>
-bool pair_visible(const AttentionOptions<T>& options, Index shift, std::pair<Index, Index> queries,
-                  std::pair<Index, Index> keys) {
-  if (queries.first >= queries.second || keys.first >= keys.second) return false;
-  // Exact in a wider type: any shift and window, however large, keeps its meaning.
-  const WideIndex first = wide(queries.first) + wide(shift);      // the first query's position
-  const WideIndex last = wide(queries.second - 1) + wide(shift);  // the last one's
-  const WideIndex key_first = wide(keys.first);
-  if (options.causal != Causal::None && last < key_first) return false;
-  if (options.window_right && last + wide(*options.window_right) < key_first) return false;
-  if (options.window && wide(keys.second - 1) < first - wide(*options.window)) return false;
-  return true;
-}
+/// Whether V's tile classification of a whole (query range, key range) pair of the ring costs
+/// no evaluation of a mask: V classifies tiles itself or has no mask, and so do both sides of a
+/// composition. Only such a variant is asked which pairs it leaves Empty.
+template <class V>
+struct tiles_cheaply : std::bool_constant<variant_tiles_v<V> || !variant_masks_v<V>> {};
+template <class A, class B>
+struct tiles_cheaply<Both<A, B>>
+    : std::bool_constant<tiles_cheaply<A>::value && tiles_cheaply<B>::value> {};
+template <class A, class B>
+struct tiles_cheaply<Either<A, B>>
+    : std::bool_constant<tiles_cheaply<A>::value && tiles_cheaply<B>::value> {};
+
+/// Which (query range, key range) pairs of the whole sequence a ring call computes: those the
+/// score rule's key ranges reach (its causal and window bounds; masks and biases are left to the
+/// kernel) and, with a variant that classifies tiles cheaply (`tiles_cheaply`), those it does not
+/// call Empty for every query head. Ranges are global rows; query i stands at `rule.q_position +
+/// i`, key j at j.
+template <class T, class Variant = NoVariant>
+struct RingVisibility {
+  ScoreRule<T> rule;  ///< the whole sequence's (its tables left out)
+  const Variant* variant = nullptr;
+  Index heads_q = 1;
+  Index group = 1;
+
+  Index shift() const { return rule.q_position; }
+
+  bool operator()(std::pair<Index, Index> queries, std::pair<Index, Index> keys) const {
+    if (queries.first >= queries.second || keys.first >= keys.second) return false;
+    const KeyRange reach = rule.keys(queries.first, queries.second - queries.first);
+    if (reach.end <= keys.first || reach.begin >= keys.second) return false;
+    if constexpr (is_variant_v<Variant> && tiles_cheaply<Variant>::value) {
+      for (Index h = 0; h < heads_q; ++h) {
+        const TileAt tile{0,
+                          h,
+                          h / group,
+                          {rule.q_position + queries.first, rule.q_position + queries.second},
+                          {keys.first, keys.second}};
+        if (classify_tile(*variant, tile) != TileKind::Empty) return true;
+      }
+      return false;
+    }
+    return true;
+  }
+};
 
 /// A rank's rows of one head, read in place: row-major, rows adjacent.
 template <class T>
@@ -302,22 +330,23 @@ void sum_over_ranks(MPI_Comm comm, int ranks, Gradient& gradient) {
 
 /// The work a key block brings to this rank, in a fixed order: for each of the block's key ranges
 /// and each of this rank's query ranges that may see it (`pair_visible`; pairs counted in
-/// `stats`), the query rows `ring_query_rows` at a time, those that may see the keys. For each
+/// `stats`), the query rows `ring_query_rows` at a time, those that may see the keys (`visible`). For each
 /// piece, `pair` gets the piece's query offset and its slices of the mask and bias rows, then
 /// `work(first, rows, key_local, key_first, key_count)` runs: query rows [first, first + rows) of
 /// this rank's layout against the block's rows [key_local, key_local + key_count), global key
 /// position key_first on.
-template <class T, class Work>
-void for_each_pair(const RowRanges& queries, const RowRanges& keys, Index shift,
-                   const AttentionOptions<T>& options, const RingOperands<T>& in,
+template <class T, class Variant, class Work>
+void for_each_pair(const RowRanges& queries, const RowRanges& keys,
+                   const RingVisibility<T, Variant>& visible, const RingOperands<T>& in,
                    AttentionOptions<T>& pair, RingStats& stats, Work&& work) {
+  const Index shift = visible.shift();
   Index key_local = 0;
   for (const auto& k : keys) {
     const Index key_count = k.second - k.first;
     Index query_local = 0;
     for (const auto& q : queries) {
       const Index query_count = q.second - q.first;
-      if (!pair_visible(options, shift, q, k)) {
+      if (!visible(q, k)) {
         ++stats.pairs_skipped;
         query_local += query_count;
         continue;
@@ -326,7 +355,7 @@ void for_each_pair(const RowRanges& queries, const RowRanges& keys, Index shift,
       for (Index c0 = 0; c0 < query_count; c0 += ring_query_rows) {
         const Index rows = std::min(ring_query_rows, query_count - c0);
         const Index first = query_local + c0;
-        if (!pair_visible(options, shift, {q.first + c0, q.first + c0 + rows}, k)) continue;
+        if (!visible({q.first + c0, q.first + c0 + rows}, k)) continue;
         pair.query_offset =
             narrow_clamped(wide(q.first + c0) + wide(shift) - wide(k.first), index_min, index_max);
         if (in.mask) pair.mask = Mask(in.mask->block(first, k.first, rows, key_count));
@@ -345,9 +374,10 @@ void for_each_pair(const RowRanges& queries, const RowRanges& keys, Index shift,
 /// `ScoreAt::head`.
 template <class T, class Variant = NoVariant>
 void ring_core(MPI_Comm comm, int rank, int ranks, const RowLayout& query_layout,
-               const RowLayout& key_layout, Index shift, const AttentionOptions<T>& options,
-               RingOperands<T>& in, RingStats& stats, std::vector<Matrix<T>>& out,
-               std::vector<Vector<T>>& lse, const Variant* variant = nullptr) {
+               const RowLayout& key_layout, const RingVisibility<T, Variant>& visible,
+               const AttentionOptions<T>& options, RingOperands<T>& in, RingStats& stats,
+               std::vector<Matrix<T>>& out, std::vector<Vector<T>>& lse,
+               const Variant* variant = nullptr) {
   const Index group = in.heads_q / in.heads_kv;
   const Index my_rows = query_layout.rows(rank);
   out.assign(static_cast<std::size_t>(in.heads_q), Matrix<T>::Zero(my_rows, in.d_v));
@@ -362,7 +392,7 @@ void ring_core(MPI_Comm comm, int rank, int ranks, const RowLayout& query_layout
     for (int b = 0; b < ranks; ++b) {
       for (const auto& q : query_layout.of_rank[static_cast<std::size_t>(x)]) {
         for (const auto& k : key_layout.of_rank[static_cast<std::size_t>(b)]) {
-          if (pair_visible(options, shift, q, k)) {
+          if (visible(q, k)) {
             needed[static_cast<std::size_t>(x)][static_cast<std::size_t>(b)] = true;
           }
         }
@@ -424,8 +454,8 @@ void ring_core(MPI_Comm comm, int rank, int ranks, const RowLayout& query_layout
     const T* values = current.data() + in.heads_kv * block_rows * in.d_k;
     const RowRanges no_keys;
     for_each_pair(
-        my_queries, have ? key_layout.of_rank[static_cast<std::size_t>(b)] : no_keys, shift,
-        options, in, pair_options, stats,
+        my_queries, have ? key_layout.of_rank[static_cast<std::size_t>(b)] : no_keys, visible, in,
+        pair_options, stats,
         [&](Index first, Index rows, Index key_local, Index key_first, Index key_count) {
           for (Index h = 0; h < in.heads_q; ++h) {
             const Index g = h / group;
@@ -565,6 +595,7 @@ class RingPlan {
   bool zigzag() const { return zigzag_; }
   Index shift() const { return shift_; }
   Index keys() const { return M_; }
+  Index queries() const { return N_; }
   const RingSizes& sizes(int r) const { return sizes_[static_cast<std::size_t>(r)]; }
   const RowLayout& query_layout() const { return query_layout_; }
   const RowLayout& key_layout() const { return key_layout_; }
@@ -680,6 +711,14 @@ RingOperands<T> deal_operands(const RingPlan& plan, const std::vector<RowsMap<T>
   return in;
 }
 
+/// The pairs a call computes (`RingVisibility`): the whole sequence's rule, without its tables.
+template <class T, class Variant>
+RingVisibility<T, Variant> ring_visibility(const RingPlan& plan, const AttentionOptions<T>& options,
+                                           const RingOperands<T>& in, const Variant* variant) {
+  return {make_rule(pair_options_of(options), plan.queries(), plan.keys(), in.d_k), variant,
+          in.heads_q, in.heads_q / in.heads_kv};
+}
+
 /// The forward of every form of `ring_attention`, after the local checks: `Q` per query head
 /// (this rank's rows), `K` and `V` per key/value head. Returns per query head the output rows and,
 /// when `lse_out` is given, their log-sum-exp (sink included).
@@ -693,6 +732,9 @@ std::vector<Matrix<T>> ring_forward(MPI_Comm user_comm, const std::vector<RowsMa
                                     const Variant* variant = nullptr) {
   stats = RingStats{};
   const RingPlan plan(user_comm, mine, local_error, options);
+  if constexpr (is_variant_v<Variant>) {  // the same sizes on every rank: all throw or none
+    require_variant_positions("ring_attention", plan.shift(), plan.queries(), 0, plan.keys());
+  }
   stats.ranks = plan.ranks();
   stats.zigzag = plan.zigzag();
   const double deal_start = MPI_Wtime();
@@ -702,8 +744,8 @@ std::vector<Matrix<T>> ring_forward(MPI_Comm user_comm, const std::vector<RowsMa
   std::vector<Matrix<T>> dealt_out;
   std::vector<Vector<T>> dealt_lse;
   ring_core<T, Variant>(plan.comm(), plan.rank(), plan.ranks(), plan.query_layout(),
-                        plan.key_layout(), plan.shift(), options, in, stats, dealt_out, dealt_lse,
-                        variant);
+                        plan.key_layout(), ring_visibility(plan, options, in, variant), options, in,
+                        stats, dealt_out, dealt_lse, variant);
   if (!plan.zigzag()) {
     if (lse_out) *lse_out = std::move(dealt_lse);
     return dealt_out;
@@ -756,6 +798,10 @@ RingGradients<T> ring_backward(MPI_Comm user_comm, const std::vector<RowsMap<T>>
   using Gradient = typename GradientOf<Variant>::type;
   stats = RingStats{};
   const RingPlan plan(user_comm, mine, local_error, options);
+  if constexpr (is_variant_v<Variant>) {  // the same sizes on every rank: all throw or none
+    require_variant_positions("ring_attention_backward", plan.shift(), plan.queries(), 0,
+                              plan.keys());
+  }
   const MPI_Comm comm = plan.comm();
   const int rank = plan.rank();
   const int ranks = plan.ranks();
@@ -784,6 +830,7 @@ RingGradients<T> ring_backward(MPI_Comm user_comm, const std::vector<RowsMap<T>>
   if (in.bias) grads.dbias = Matrix<T>::Zero(my_rows, plan.keys());
 
   AttentionOptions<T> pair_options = pair_options_of(options);  // the sink: in lse and dsink
+  const RingVisibility<T, Variant> visible = ring_visibility(plan, options, in, variant);
   std::vector<T> current = std::move(in.block);
   std::vector<T> next;
   std::vector<T> gathered;  // dK, dV of the block in hand, from the ranks before
@@ -831,48 +878,45 @@ RingGradients<T> ring_backward(MPI_Comm user_comm, const std::vector<RowsMap<T>>
     const T* values = current.data() + in.heads_kv * block_rows * in.d_k;
     T* dkeys = partial.data();
     T* dvalues = partial.data() + in.heads_kv * block_rows * in.d_k;
-    for_each_pair(my_queries, key_layout.of_rank[static_cast<std::size_t>(b)], plan.shift(),
-                  options, in, pair_options, stats,
-                  [&](Index first, Index rows, Index key_local, Index key_first, Index key_count) {
-                    for (Index h = 0; h < in.heads_q; ++h) {
-                      const Index g = h / group;
-                      const auto h_index = static_cast<std::size_t>(h);
-                      const RowsMap<T> K_g(keys + g * block_rows * in.d_k, block_rows, in.d_k);
-                      const RowsMap<T> V_g(values + g * block_rows * in.d_v, block_rows, in.d_v);
-                      if constexpr (is_variant_v<Variant>) {
-                        const ScoreRule<T> rule =
-                            piece_rule(pair_options, rows, key_first, key_count, in.d_k);
-                        pair_lse = lse_dealt[h_index].segment(first, rows);
-                        backward_kernel<T>(in.Q.heads[h_index].middleRows(first, rows),
-                                           K_g.middleRows(key_local, key_count),
-                                           V_g.middleRows(key_local, key_count),
-                                           O_dealt.heads[h_index].middleRows(first, rows), pair_lse,
-                                           dO_dealt.heads[h_index].middleRows(first, rows), rule,
-                                           backward_path(rule, in.d_k, in.d_v), BackwardTiles{},
-                                           pair, BoundVariant<Variant>{variant, 0, h, g},
-                                           dparams ? &dparams_piece : nullptr);
-                        if constexpr (variant_learns_v<Variant>) {
-                          if (dparams) *dparams += dparams_piece;
-                        }
-                      } else {
-                        attention_backward(in.Q.heads[h_index].middleRows(first, rows),
-                                           K_g.middleRows(key_local, key_count),
-                                           V_g.middleRows(key_local, key_count),
-                                           O_dealt.heads[h_index].middleRows(first, rows),
-                                           lse_dealt[h_index].segment(first, rows),
-                                           dO_dealt.heads[h_index].middleRows(first, rows),
-                                           pair_options, pair);
-                      }
-                      grads.dQ[h_index].middleRows(first, rows) += pair.dQ;
-                      Eigen::Map<Matrix<T>>(dkeys + g * block_rows * in.d_k, block_rows, in.d_k)
-                          .middleRows(key_local, key_count) += pair.dK;
-                      Eigen::Map<Matrix<T>>(dvalues + g * block_rows * in.d_v, block_rows, in.d_v)
-                          .middleRows(key_local, key_count) += pair.dV;
-                      if (in.bias)
-                        grads.dbias.block(first, key_first, rows, key_count) += pair.dbias;
-                      progress();
-                    }
-                  });
+    for_each_pair(
+        my_queries, key_layout.of_rank[static_cast<std::size_t>(b)], visible, in, pair_options,
+        stats, [&](Index first, Index rows, Index key_local, Index key_first, Index key_count) {
+          for (Index h = 0; h < in.heads_q; ++h) {
+            const Index g = h / group;
+            const auto h_index = static_cast<std::size_t>(h);
+            const RowsMap<T> K_g(keys + g * block_rows * in.d_k, block_rows, in.d_k);
+            const RowsMap<T> V_g(values + g * block_rows * in.d_v, block_rows, in.d_v);
+            if constexpr (is_variant_v<Variant>) {
+              const ScoreRule<T> rule =
+                  piece_rule(pair_options, rows, key_first, key_count, in.d_k);
+              pair_lse = lse_dealt[h_index].segment(first, rows);
+              backward_kernel<T>(
+                  in.Q.heads[h_index].middleRows(first, rows), K_g.middleRows(key_local, key_count),
+                  V_g.middleRows(key_local, key_count),
+                  O_dealt.heads[h_index].middleRows(first, rows), pair_lse,
+                  dO_dealt.heads[h_index].middleRows(first, rows), rule,
+                  backward_path(rule, in.d_k, in.d_v), BackwardTiles{}, pair,
+                  BoundVariant<Variant>{variant, 0, h, g}, dparams ? &dparams_piece : nullptr);
+              if constexpr (variant_learns_v<Variant>) {
+                if (dparams) *dparams += dparams_piece;
+              }
+            } else {
+              attention_backward(
+                  in.Q.heads[h_index].middleRows(first, rows), K_g.middleRows(key_local, key_count),
+                  V_g.middleRows(key_local, key_count),
+                  O_dealt.heads[h_index].middleRows(first, rows),
+                  lse_dealt[h_index].segment(first, rows),
+                  dO_dealt.heads[h_index].middleRows(first, rows), pair_options, pair);
+            }
+            grads.dQ[h_index].middleRows(first, rows) += pair.dQ;
+            Eigen::Map<Matrix<T>>(dkeys + g * block_rows * in.d_k, block_rows, in.d_k)
+                .middleRows(key_local, key_count) += pair.dK;
+            Eigen::Map<Matrix<T>>(dvalues + g * block_rows * in.d_v, block_rows, in.d_v)
+                .middleRows(key_local, key_count) += pair.dV;
+            if (in.bias) grads.dbias.block(first, key_first, rows, key_count) += pair.dbias;
+            progress();
+          }
+        });
     stats.compute_seconds += MPI_Wtime() - compute_start;
     const double wait_start = MPI_Wtime();
     mpi_check(MPI_Wait(&requests[2], MPI_STATUS_IGNORE), "MPI_Wait");
@@ -1222,6 +1266,35 @@ Matrix<typename DQ::Scalar> ring_attention(MPI_Comm comm, const Eigen::MatrixBas
       {detail::rows_of(V, V_copy)}, options, detail::matrix_sizes(Q, K, V),
       detail::matrix_check(Q, K, V), stats, &lse, &variant);
   log_sum_exp = std::move(lse.front());
+  return std::move(out.front());
+}
+
+/// `ring_attention` with a variant and the statistics of this rank's call (which show the pairs
+/// and blocks the variant's Empty tiles spared).
+/// \param comm     the communicator; every rank of it calls
+/// \param Q        n_r x d_k, this rank's queries (float or double)
+/// \param K        m_r x d_k, this rank's keys
+/// \param V        m_r x d_v, this rank's values
+/// \param variant  a variant (`is_variant_v`), the same on every rank
+/// \param options  every `AttentionOptions` field, over the whole sequence
+/// \param stats    filled with what this rank did (times, bytes, pairs)
+/// \returns n_r x d_v, this rank's output rows
+template <class DQ, class DK, class DV, class Variant,
+          std::enable_if_t<is_variant_v<Variant>, int> = 0>
+Matrix<typename DQ::Scalar> ring_attention(MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q,
+                                           const Eigen::MatrixBase<DK>& K,
+                                           const Eigen::MatrixBase<DV>& V, const Variant& variant,
+                                           const AttentionOptions<typename DQ::Scalar>& options,
+                                           RingStats& stats) {
+  using T = typename DQ::Scalar;
+  detail::require_same_scalar<DQ, DK>();
+  detail::require_same_scalar<DQ, DV>();
+  detail::check_ring_variant<Variant, T, false>();
+  Matrix<T> Q_copy, K_copy, V_copy;
+  std::vector<Matrix<T>> out = detail::ring_forward<T, Variant>(
+      comm, {detail::rows_of(Q, Q_copy)}, {detail::rows_of(K, K_copy)},
+      {detail::rows_of(V, V_copy)}, options, detail::matrix_sizes(Q, K, V),
+      detail::matrix_check(Q, K, V), stats, nullptr, &variant);
   return std::move(out.front());
 }
 

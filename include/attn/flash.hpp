@@ -570,6 +570,7 @@ void flash_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>
   detail::require_tiles("flash_attention", tiles);
   out.resize(Q.rows(), V.cols());
   const detail::ScoreRule<T> rule = detail::make_rule(options, Q.rows(), K.rows(), Q.cols());
+  detail::require_variant_positions("flash_attention", rule.q_position, rule.n, 0, rule.m);
   const detail::BoundVariant<Variant> bound{&variant};
   detail::check_kernel_tiles<T>(rule, tiles, bound);
   detail::with_kv_blocks<T>(K, V, [&](const auto& K_b, const auto& V_b) {
@@ -623,6 +624,7 @@ Matrix<typename DQ::Scalar> flash_attention(const Eigen::MatrixBase<DQ>& Q,
   Matrix<T> O(Q.rows(), V.cols());
   log_sum_exp.resize(Q.rows());
   const detail::ScoreRule<T> rule = detail::make_rule(options, Q.rows(), K.rows(), Q.cols());
+  detail::require_variant_positions("flash_attention", rule.q_position, rule.n, 0, rule.m);
   const detail::BoundVariant<Variant> bound{&variant};
   detail::check_kernel_tiles<T>(rule, tiles, bound);
   detail::with_kv_blocks<T>(K, V, [&](const auto& K_b, const auto& V_b) {

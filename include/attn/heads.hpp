@@ -269,6 +269,7 @@ void heads_forward_variant(const char* function, const Tensor3<T>& Q, const Tens
   const Index d_k = Q.dimension(2);
   const Index group = heads / K.dimension(0);
   const ScoreRule<T> shared = make_rule(options, n, K.dimension(1), d_k);
+  require_variant_positions(function, shared.q_position, n, 0, shared.m);
   heads_variant_kernel<T>(
       heads, group, shared, per_head, variant, 0, [&](Index h) { return slice(Q, h); },
       [&](Index kv) { return kv_slice<T>(K, kv); }, [&](Index kv) { return kv_slice<T>(V, kv); },
@@ -603,6 +604,7 @@ void heads_backward_variant(const Tensor3<T>& Q, const Tensor3<T>& K, const Tens
   check_heads(function, Q, K, V, options, per_head);
   check_heads_backward<T>(function, Q, V, dO, nullptr, nullptr);
   const ScoreRule<T> shared = make_rule(options, Q.dimension(1), K.dimension(1), Q.dimension(2));
+  require_variant_positions(function, shared.q_position, shared.n, 0, shared.m);
   if constexpr (is_checked<Variant>::value) {
     const Index group = Q.dimension(0) / K.dimension(0);
     for (Index h = 0; h < Q.dimension(0); ++h) {

@@ -364,6 +364,9 @@ class KVCache {
     const char* function = "KVCache::attend";
     const Index heads = check_queries(function, Q_new, options, per_head);
     const Index first = first_query_position(options, Q_new.rows());
+    if constexpr (!std::is_same_v<Variant, detail::NoVariant>) {
+      detail::require_variant_positions(function, first, Q_new.rows(), 0, position());
+    }
     out.resize(Q_new.rows(), heads * config_.d_v);
     if (config_.rope) {
       Matrix<T> rotated = Q_new;

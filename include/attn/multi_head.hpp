@@ -972,6 +972,8 @@ class MultiHeadAttention {
   void check_variant_call(const char* function, const Variant* variant,
                           const MultiHeadOptions<T>& options, Index batch, Index n, Index m) const {
     if constexpr (is_variant_v<Variant>) {
+      detail::require_variant_positions(function, detail::query_position<T>(options, n, m), n, 0,
+                                        m);
       if (options.need_weights) {
         detail::fail(function, "need_weights with a variant: its weights come from ",
                      "attention_with_weights or trace_attention with the same variant");

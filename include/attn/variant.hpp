@@ -38,6 +38,7 @@
 #include <utility>
 #include <vector>
 
+#include "detail/checked.hpp"
 #include "error.hpp"
 #include "types.hpp"
 
@@ -193,6 +194,16 @@ template <class V>
 struct GradientOf<V, true> {
   using type = typename V::Gradient;
 };
+
+/// A variant sees each query and key at its position, a tile as half-open position ranges: the
+/// positions [q_first, q_first + n] and [k_first, k_first + m] of a call must fit in Index (a
+/// query offset near the end of the range, which means "after every key" without a variant,
+/// has no position to show a variant). \throws shape_error naming `function` otherwise.
+inline void require_variant_positions(const char* function, Index q_first, Index n, Index k_first,
+                                      Index m) {
+  checked_add(function, q_first, n, "with a variant, the positions of the queries");
+  checked_add(function, k_first, m, "with a variant, the positions of the keys");
+}
 
 /// A variant and where it runs (batch item and heads), as the kernels pass it along.
 template <class V>
@@ -819,16 +830,17 @@ class DilatedWindow {
   /// \param at  the query and the key
   /// \returns true if the query may attend the key
   bool allowed(const ScoreAt& at) const {
-    const Index distance = at.query - at.key;
+    const Index distance = detail::saturating_sub(at.query, at.key);  // any positions
     return distance >= 0 && distance % dilation_ == 0 && distance / dilation_ < window_;
   }
   /// Empty where no distance of the tile can be allowed; Full only without dilation.
   /// \param at  the tile's queries and keys
   /// \returns Empty, Full or Partial
   TileKind tile(const TileAt& at) const {
-    const Index nearest = at.queries.begin - (at.keys.end - 1);  // the smallest distance
-    const Index farthest = at.queries.end - 1 - at.keys.begin;   // the largest
-    const Index reach = (window_ - 1) * dilation_;
+    const Index nearest = detail::saturating_sub(at.queries.begin, at.keys.end - 1);   // smallest
+    const Index farthest = detail::saturating_sub(at.queries.end - 1, at.keys.begin);  // largest
+    const Index reach =
+        window_ - 1 > detail::index_max / dilation_ ? detail::index_max : (window_ - 1) * dilation_;
     if (farthest < 0 || nearest > reach) return TileKind::Empty;
     if (dilation_ == 1 && nearest >= 0 && farthest <= reach) return TileKind::Full;
     return TileKind::Partial;
@@ -1006,7 +1018,9 @@ class T5Bias {
   /// \param key    a key's position
   /// \returns the bucket of key - query
   Index bucket(Index query, Index key) const {
-    const Index relative = key - query;
+    // Saturated (and kept off INT64_MIN, whose negation overflows): past max_distance every
+    // distance has the same bucket.
+    const Index relative = std::max(detail::saturating_sub(key, query), -detail::index_max);
     Index offset = 0;
     Index n = 0;
     if (bidirectional_) {
