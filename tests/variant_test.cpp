@@ -700,6 +700,28 @@ Index t5_bucket(Index relative, bool bidirectional, Index buckets, Index max_dis
   return bucket + std::min(static_cast<Index>(large), buckets - 1);
 }
 
+TEST(T5Bias, BucketCountsAndDistancesItCannotServeAreRefused) {
+  // Bidirectional with 2 buckets leaves no exact bucket per direction: T5's logarithmic buckets
+  // would divide by zero (found by the fuzzer as a NaN cast to an index).
+  attn_test::expect_shape_error([] { attn::T5Bias<float>(1, 2, 128, true); },
+                                {"attn::T5Bias", "at least 2 per direction"});
+  attn_test::expect_shape_error([] { attn::T5Bias<float>(1, 6 - 1, 128, true); }, {"attn::T5Bias"});
+  attn_test::expect_shape_error([] { attn::T5Bias<float>(1, 8, 2, false); },
+                                {"max_distance must exceed"});
+  // Causal bucketing with 2 buckets: distance 0 and everything else.
+  const attn::T5Bias<float> two(1, 2, 4, false);
+  EXPECT_EQ(two.bucket(10, 10), 0);
+  EXPECT_EQ(two.bucket(10, 9), 1);
+  EXPECT_EQ(two.bucket(10, 11), 0);  // a later key: bucket 0, as T5's decoder
+  // The largest max_distance costs no table of its size, and buckets far distances as T5 does.
+  const Index max = std::numeric_limits<Index>::max();
+  const attn::T5Bias<float> far(1, 32, max, true);
+  for (const Index relative : {Index(-3), Index(70000), Index(-123456789), Index(1) << 40}) {
+    EXPECT_EQ(far.bucket(0, relative), t5_bucket(relative, true, 32, max))
+        << "relative " << relative;
+  }
+}
+
 TEST(T5Bias, BucketsAsInTheT5Paper) {
   for (bool bidirectional : {true, false}) {
     for (Index buckets : {8, 32}) {

@@ -982,36 +982,31 @@ template <class T>
 class T5Bias {
  public:
   /// \param heads          query heads (rows of the table)
-  /// \param buckets        buckets per head (at least 2; even when bidirectional)
+  /// \param buckets        buckets per head (at least 2 per direction: 2, or 4 and even when
+  ///                       bidirectional)
   /// \param max_distance   the distance from which every longer one shares the last bucket
   /// \param bidirectional  true for an encoder (both directions bucketed), false for a decoder
   T5Bias(Index heads, Index buckets = 32, Index max_distance = 128, bool bidirectional = true)
       : table_(Matrix<T>::Zero(heads, buckets)), bidirectional_(bidirectional) {
     detail::require_positive_size("attn::T5Bias", "heads", heads);
-    if (buckets < 2 || (bidirectional && buckets % 2 != 0)) {
-      detail::fail("attn::T5Bias", "buckets must be at least 2 (and even when bidirectional), got ",
-                   buckets);
+    // At least one exact bucket per direction: T5's logarithmic buckets divide by their count.
+    if (buckets < 2 || (bidirectional && (buckets < 4 || buckets % 2 != 0))) {
+      detail::fail("attn::T5Bias", "buckets must be at least 2 per direction (2, or an even 4 or ",
+                   "more when bidirectional), got ", buckets);
     }
-    const Index side = bidirectional ? buckets / 2 : buckets;
-    const Index exact = side / 2;
-    if (max_distance <= exact) {
-      detail::fail("attn::T5Bias", "max_distance must exceed the exact buckets (", exact, "), got ",
-                   max_distance);
+    side_ = bidirectional ? buckets / 2 : buckets;
+    exact_ = side_ / 2;
+    if (max_distance <= exact_) {
+      detail::fail("attn::T5Bias", "max_distance must exceed the exact buckets (", exact_,
+                   "), got ", max_distance);
     }
-    // One bucket per distance below max_distance; every longer distance takes the last.
-    by_distance_.resize(static_cast<std::size_t>(max_distance));
-    for (Index n = 0; n < max_distance; ++n) {
-      Index b = n;
-      if (n >= exact) {
-        const double scaled =
-            std::log(static_cast<double>(n) / static_cast<double>(exact)) /
-            std::log(static_cast<double>(max_distance) / static_cast<double>(exact)) *
-            static_cast<double>(side - exact);
-        b = std::min(exact + static_cast<Index>(scaled), side - 1);
-      }
-      by_distance_[static_cast<std::size_t>(n)] = b;
+    max_distance_ = max_distance;
+    // The buckets of the distances below max_distance, up to a bound on the table (a distance past
+    // it is bucketed when asked); every longer distance takes the last bucket.
+    by_distance_.resize(static_cast<std::size_t>(std::min<Index>(max_distance, 1 << 16)));
+    for (std::size_t n = 0; n < by_distance_.size(); ++n) {
+      by_distance_[n] = bucket_of_distance(static_cast<Index>(n));
     }
-    side_ = side;
   }
 
   /// \param query  a query's position
@@ -1029,8 +1024,9 @@ class T5Bias {
     } else {
       n = relative < 0 ? -relative : 0;
     }
-    const auto far = static_cast<Index>(by_distance_.size());
-    return offset + (n < far ? by_distance_[static_cast<std::size_t>(n)] : side_ - 1);
+    const auto tabled = static_cast<Index>(by_distance_.size());
+    return offset +
+           (n < tabled ? by_distance_[static_cast<std::size_t>(n)] : bucket_of_distance(n));
   }
 
   /// \returns the table, heads x buckets (zeros at construction)
@@ -1068,9 +1064,23 @@ class T5Bias {
   }
 
  private:
+  /// The bucket of a distance n >= 0 within one direction (T5: exact below `exact_`, then
+  /// logarithmic up to `max_distance_`, the last bucket beyond).
+  Index bucket_of_distance(Index n) const {
+    if (n < exact_) return n;
+    if (n >= max_distance_) return side_ - 1;
+    const double scaled =
+        std::log(static_cast<double>(n) / static_cast<double>(exact_)) /
+        std::log(static_cast<double>(max_distance_) / static_cast<double>(exact_)) *
+        static_cast<double>(side_ - exact_);
+    return std::min(exact_ + static_cast<Index>(scaled), side_ - 1);
+  }
+
   Matrix<T> table_;
   bool bidirectional_;
-  Index side_ = 0;
+  Index side_ = 0;          ///< buckets per direction
+  Index exact_ = 0;         ///< distances below it have a bucket each
+  Index max_distance_ = 0;  ///< distances from it on share the last bucket
   std::vector<Index> by_distance_;
 };
 

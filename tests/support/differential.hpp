@@ -1092,9 +1092,10 @@ DrawnVariant<T> draw_variant(ByteSource& bytes, Bulk& bulk, Index m,
     // not fold the variant in.
     if (o.softcap || (sc.kind == 1 && o.bias)) sc.kind = 0;
     if (sc.kind == 1) {
-      const Index buckets = bytes.pick<Index>({2, 4, 8, 32});
-      const Index distance = buckets + bytes.pick<Index>({1, 8, 100});  // past the exact buckets
       const bool bidirectional = bytes.chance(128);
+      const Index buckets = bidirectional ? bytes.pick<Index>({4, 8, 32})  // 2 per direction
+                                          : bytes.pick<Index>({2, 4, 8, 32});
+      const Index distance = buckets + bytes.pick<Index>({1, 8, 100});  // past the exact buckets
       sc.t5.emplace(1, buckets, distance, bidirectional);
       for (Index b = 0; b < buckets; ++b) sc.t5->table()(0, b) = static_cast<T>(bulk.normal());
       text << " and T5Bias(" << buckets << " buckets, " << distance
