@@ -1,4 +1,4 @@
-# The libFuzzer targets and their CTest runs (label `fuzz`, 60 seconds each, run side by side):
+# The libFuzzer targets and their CTest runs (label `fuzz`, 30 seconds each, run side by side):
 # attention_fuzz, the differential test of the attention core (tests/fuzz/attention_fuzz.cpp), and
 # onnx_fuzz, the ONNX adapter on hostile shapes and attributes (tests/fuzz/onnx_fuzz.cpp). Clang
 # only: libFuzzer ships with it (Debian: libclang-rt-14-dev).
@@ -30,7 +30,7 @@ set(attn_fuzz_work "${CMAKE_CURRENT_BINARY_DIR}/fuzz-corpus")
 set(attn_fuzz_artifacts "${CMAKE_CURRENT_BINARY_DIR}/fuzz-artifacts")
 file(MAKE_DIRECTORY "${attn_fuzz_work}" "${attn_fuzz_artifacts}")
 add_test(NAME attention_fuzz
-  COMMAND attention_fuzz -max_total_time=60 -max_len=1024 -timeout=60 -rss_limit_mb=2048
+  COMMAND attention_fuzz -max_total_time=30 -max_len=1024 -timeout=60 -rss_limit_mb=2048
     -print_final_stats=1 -artifact_prefix=${attn_fuzz_artifacts}/
     "${attn_fuzz_work}" "${CMAKE_CURRENT_SOURCE_DIR}/fuzz/corpus")
 set_tests_properties(attention_fuzz PROPERTIES LABELS fuzz TIMEOUT 180
@@ -47,7 +47,7 @@ attn_own_program(onnx_fuzz)
 # allocator_may_return_null: a shape the adapter accepts but the machine cannot hold must come
 # back as an exception (which the target reports), not as the sanitizer's own abort.
 add_test(NAME onnx_fuzz
-  COMMAND onnx_fuzz -max_total_time=60 -max_len=512 -timeout=30 -rss_limit_mb=2048
+  COMMAND onnx_fuzz -max_total_time=30 -max_len=512 -timeout=30 -rss_limit_mb=2048
     -print_final_stats=1 -artifact_prefix=${attn_fuzz_artifacts}/onnx- "${attn_onnx_fuzz_work}")
 set_tests_properties(onnx_fuzz PROPERTIES LABELS fuzz TIMEOUT 180
   ENVIRONMENT "OMP_NUM_THREADS=1;UBSAN_OPTIONS=print_stacktrace=1;ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=1")
