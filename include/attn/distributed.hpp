@@ -477,11 +477,8 @@ void ring_core(MPI_Comm comm, int rank, int ranks, const RowLayout& query_layout
                   in.Q.heads[h_index].middleRows(first, rows), K_g.middleRows(key_local, key_count),
                   V_g.middleRows(key_local, key_count), pair_options, partial_lse);
             }
-            for (Index i = 0; i < rows; ++i) {
-              T& row_lse = lse[h_index](first + i);
-              merge_partial<T>(out[h_index].row(first + i), row_lse, partial.row(i),
-                               partial_lse(i));
-            }
+            merge_block<T>(out[h_index].middleRows(first, rows), lse[h_index].data() + first,
+                           partial, partial_lse.data());
             progress();
           }
         });
@@ -491,13 +488,9 @@ void ring_core(MPI_Comm comm, int rank, int ranks, const RowLayout& query_layout
     stats.wait_seconds += MPI_Wtime() - wait_start;
     if (receive) std::swap(current, next);
   }
-  if (options.sink) {
-    for (Index h = 0; h < in.heads_q; ++h) {
-      const auto h_index = static_cast<std::size_t>(h);
-      for (Index i = 0; i < my_rows; ++i) {
-        merge_sink<T>(out[h_index].row(i), lse[h_index](i), options.sink);
-      }
-    }
+  for (Index h = 0; h < in.heads_q; ++h) {
+    const auto h_index = static_cast<std::size_t>(h);
+    finish_merge<T>(out[h_index], lse[h_index].data(), options.sink);
   }
 }
 

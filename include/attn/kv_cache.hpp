@@ -496,10 +496,8 @@ class KVCache {
                             store_.template recent_values_as<Codec>(kv), b, s.path, o_h,
                             s.lse.data());
       }
-      for (Index i = 0; i < n; ++i) {
-        detail::merge_partial<T>(o_h.row(i), s.lse(i), s.o_pinned.row(i), s.lse_pinned(i));
-        detail::merge_sink<T>(o_h.row(i), s.lse(i), sink);
-      }
+      detail::merge_block<T>(o_h, s.lse.data(), s.o_pinned, s.lse_pinned.data());
+      detail::finish_merge<T>(o_h, s.lse.data(), sink);
     });
   }
 

@@ -223,6 +223,7 @@ struct LayerScratch {
   Matrix<T> P_extra;    ///< n x extra weights of the appended keys
   Matrix<T> O_extra;    ///< n x head_dim output over the appended keys
   Vector<T> lse, lse_extra;
+  Vector<T> lse_keys;  ///< the log-sum-exp over the item's keys alone, when the weights are wanted
 };
 
 /// Per-thread working memory of the layer's backward over (batch item, key/value head).
@@ -1020,8 +1021,8 @@ class MultiHeadAttention {
   /// Head h of batch item b, by the path `detail::choose_path` picks: its output into its block
   /// of `ws.concat`; its log-sum-exp over all its keys, sink included, into `lse` (n entries)
   /// when not null; its weights into `weights` (n x (m + extra)) when not null. The appended
-  /// keys (add_bias_kv, add_zero_attn) are a second block of keys, merged with the first by
-  /// log-sum-exp (`detail::merge_partial`); the sink is then added once (`detail::merge_sink`).
+  /// keys (add_bias_kv, add_zero_attn) are a second block of keys, merged with the first by the
+  /// merge protocol (`detail::merge_block`, the sink added once).
   /// With a variant (not null), the item's keys run the tiled kernel with it.
   template <class Variant>
   void attend_head(MultiHeadWorkspace<T>& ws, const detail::ScoreRule<T>& shared,
@@ -1063,15 +1064,13 @@ class MultiHeadAttention {
     detail::materialised_kernel<T>(q, ws.K_extra.middleCols(kv * hd, hd),
                                    ws.V_extra.middleCols(kv * hd, hd), appended_rule(rule, extra),
                                    s.P_extra, s.O_extra, s.lse_extra.data());
-    for (Index i = 0; i < n; ++i) {
-      const T lse_keys = lse[i];
-      T merged = lse_keys;
-      detail::merge_partial<T>(o.row(i), merged, s.O_extra.row(i), s.lse_extra(i));
-      detail::merge_sink<T>(o.row(i), merged, sink);
-      lse[i] = merged;
-      if (weights) {  // each block's weights, renormalised to the merged sum
-        P.row(i).head(m) *= std::exp(lse_keys - merged);
-        P.row(i).tail(extra) = s.P_extra.row(i) * std::exp(s.lse_extra(i) - merged);
+    if (weights) s.lse_keys = Eigen::Map<const Vector<T>>(lse, n);
+    detail::merge_block<T>(o, lse, s.O_extra, s.lse_extra.data());
+    detail::finish_merge<T>(o, lse, sink);
+    if (weights) {  // each block's weights, renormalised to the merged sum
+      for (Index i = 0; i < n; ++i) {
+        P.row(i).head(m) *= std::exp(s.lse_keys(i) - lse[i]);
+        P.row(i).tail(extra) = s.P_extra.row(i) * std::exp(s.lse_extra(i) - lse[i]);
       }
     }
   }

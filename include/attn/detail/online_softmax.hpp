@@ -210,5 +210,25 @@ void merge_sink(Eigen::Ref<RowVector<T>> o, T& lse, std::optional<T> sink) {
   lse = M + std::log(sum);
 }
 
+/// The merge protocol of attention over blocks of keys, used by every path that splits them (the
+/// decoding kernel's parts, a cache's pinned and recent rows, the layer's appended keys, a ring's
+/// pieces): each block is attended without the sink, giving rows (o, lse); the blocks are merged
+/// into the first, one after another in a fixed order (`merge_block`), and the sink is added once
+/// at the end (`finish_merge`). The order fixes the bits, whatever the threads or ranks did.
+///
+/// Merges the rows of one block's result (o_part, lse_part) into (o, lse), row by row.
+template <class T>
+void merge_block(Eigen::Ref<Matrix<T>> o, T* lse, ConstRef<T> o_part, const T* lse_part) {
+  for (Index r = 0; r < o.rows(); ++r)
+    merge_partial<T>(o.row(r), lse[r], o_part.row(r), lse_part[r]);
+}
+
+/// The end of the merge protocol (`merge_block`): the sink, when set, added to every row once.
+template <class T>
+void finish_merge(Eigen::Ref<Matrix<T>> o, T* lse, std::optional<T> sink) {
+  if (!sink) return;
+  for (Index r = 0; r < o.rows(); ++r) merge_sink<T>(o.row(r), lse[r], sink);
+}
+
 }  // namespace detail
 }  // namespace attn

@@ -171,9 +171,9 @@ KeyRange decode_variant_keys(const BoundVariant<Variant>& variant, const ScoreRu
 /// of key ranges and scalars (the decoding path of `choose_path`). Shape contract: q(g) rows x
 /// d_k, k(g) m x d_k, v(g) m x d_v, o(g) rows x d_v (functions returning views). A visible range of
 /// more than `decode_part_keys` keys is split into parts of that many: each (group, part) runs in
-/// parallel without the sink, then the parts of a group are merged in part order by their
-/// log-sum-exp (`merge_partial`) and the sink is added once (`merge_sink`). So even one group (one
-/// key/value head, one query) uses every thread, and the result does not depend on their number.
+/// parallel without the sink, then the parts of a group are merged in part order and the sink is
+/// added once (the merge protocol, `merge_block`). So even one group (one key/value head, one
+/// query) uses every thread, and the result does not depend on their number.
 /// A step of less work than `team_flops` runs on the calling thread. Each thread keeps its scratch
 /// between calls (`KeptScratch`), and the calling thread the partial results: a repeated step of
 /// the same shapes allocates nothing. With a variant, `variant` binds row 0 of group 0; row r of
@@ -233,11 +233,9 @@ void decode_groups(Index groups, const ScoreRule<T>& rule, const QGroup& q, cons
     lse = store.lse[first];
     for (Index p = 1; p < parts; ++p) {
       const auto i = first + static_cast<std::size_t>(p);
-      for (Index r = 0; r < out.rows(); ++r) {
-        merge_partial<T>(out.row(r), lse(r), store.o[i].row(r), store.lse[i](r));
-      }
+      merge_block<T>(out, lse.data(), store.o[i], store.lse[i].data());
     }
-    for (Index r = 0; r < out.rows(); ++r) merge_sink<T>(out.row(r), lse(r), rule.sink);
+    finish_merge<T>(out, lse.data(), rule.sink);
   });
 }
 
