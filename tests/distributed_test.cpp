@@ -239,6 +239,18 @@ TYPED_TEST(RingAttention, MaskAndBiasRows) {
   check_case<T>("bias, causal, ALiBi", N, N, 16, 16, biased, false, 17);
 }
 
+/// Rows [q0, q0 + n) of every head of X.
+template <class T>
+attn::Tensor3<T> head_rows(const attn::Tensor3<T>& X, Index q0, Index n) {
+  attn::Tensor3<T> part(X.dimension(0), n, X.dimension(2));
+  for (Index h = 0; h < X.dimension(0); ++h) {
+    for (Index i = 0; i < n; ++i) {
+      for (Index j = 0; j < X.dimension(2); ++j) part(h, i, j) = X(h, q0 + i, j);
+    }
+  }
+  return part;
+}
+
 TYPED_TEST(RingAttention, HeadsAndGroupedQueries) {
   using T = TypeParam;
   const Index h_q = 4, h_kv = 2, N = 100, d = 16;
@@ -256,15 +268,7 @@ TYPED_TEST(RingAttention, HeadsAndGroupedQueries) {
   const int rank = world_rank();
   const Index q0 = first_row(counts, rank);
   const Index n = counts[static_cast<std::size_t>(rank)];
-  const auto rows = [&](const attn::Tensor3<T>& X) {
-    attn::Tensor3<T> part(X.dimension(0), n, X.dimension(2));
-    for (Index h = 0; h < X.dimension(0); ++h) {
-      for (Index i = 0; i < n; ++i) {
-        for (Index j = 0; j < X.dimension(2); ++j) part(h, i, j) = X(h, q0 + i, j);
-      }
-    }
-    return part;
-  };
+  const auto rows = [&](const attn::Tensor3<T>& X) { return head_rows(X, q0, n); };
   const attn::Tensor3<T> out =
       attn::ring_attention(MPI_COMM_WORLD, rows(Q), rows(K), rows(V), options);
   const attn::Tensor3<T> expected = rows(reference);
@@ -515,8 +519,12 @@ TYPED_TEST(RingAttention, AVariantsEmptyPairsAreNeitherComputedNorSent) {
   };
   const std::int64_t pairs_variant = total(with_variant.pairs_computed);
   const std::int64_t pairs_table = total(with_table.pairs_computed);
-  EXPECT_LT(pairs_variant, pairs_table);
-  EXPECT_LT(total(with_variant.ring_bytes_sent), total(with_table.ring_bytes_sent));
+  const std::int64_t bytes_variant = total(with_variant.ring_bytes_sent);
+  const std::int64_t bytes_table = total(with_table.ring_bytes_sent);
+  if (world_size() > 1) {  // one rank holds one pair and sends nothing, either way
+    EXPECT_LT(pairs_variant, pairs_table);
+    EXPECT_LT(bytes_variant, bytes_table);
+  }
   if (world_rank() == 0) {
     std::printf("documents on %d ranks: pairs computed %lld (variant) vs %lld (table)\n",
                 world_size(), static_cast<long long>(pairs_variant),
@@ -545,15 +553,7 @@ TYPED_TEST(RingAttention, HeadsWithAVariant) {
   const std::vector<Index> counts = uneven_split(N, world_size(), true);
   const Index q0 = first_row(counts, world_rank());
   const Index n = counts[static_cast<std::size_t>(world_rank())];
-  const auto rows = [&](const attn::Tensor3<T>& X) {
-    attn::Tensor3<T> part(X.dimension(0), n, X.dimension(2));
-    for (Index h = 0; h < X.dimension(0); ++h) {
-      for (Index i = 0; i < n; ++i) {
-        for (Index j = 0; j < X.dimension(2); ++j) part(h, i, j) = X(h, q0 + i, j);
-      }
-    }
-    return part;
-  };
+  const auto rows = [&](const attn::Tensor3<T>& X) { return head_rows(X, q0, n); };
   const auto flat = [](const attn::Tensor3<T>& X) {
     return Matrix<T>(
         Eigen::Map<const Matrix<T>>(X.data(), X.dimension(0) * X.dimension(1), X.dimension(2)));

@@ -1059,6 +1059,68 @@ std::string ring_backward_check(const Eigen::MatrixBase<DQ>& Q, const Eigen::Mat
   });
 }
 
+/// A ring call takes any variant but the checking mode: one rank's throw in the middle of the
+/// ring would leave the others waiting.
+template <class Variant, class T, bool backward>
+constexpr void check_ring_variant() {
+  check_variant<Variant, T, backward>();
+  static_assert(!is_checked<Variant>::value,
+                "attn: ring_attention does not take checked(variant) (a throw on one rank would "
+                "leave the others waiting): check the variant with flash_attention first");
+}
+
+/// The Matrix forms of `ring_attention` (one head), with or without a variant: this rank's output
+/// rows, their log-sum-exp into `log_sum_exp` when not null.
+template <class Variant, class DQ, class DK, class DV>
+Matrix<typename DQ::Scalar> matrix_ring_forward(
+    MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const AttentionOptions<typename DQ::Scalar>& options,
+    RingStats& stats, Vector<typename DQ::Scalar>* log_sum_exp, const Variant* variant) {
+  using T = typename DQ::Scalar;
+  require_same_scalar<DQ, DK>();
+  require_same_scalar<DQ, DV>();
+  if constexpr (is_variant_v<Variant>) check_ring_variant<Variant, T, false>();
+  std::vector<Vector<T>> lse;
+  Matrix<T> Q_copy, K_copy, V_copy;
+  std::vector<Matrix<T>> out = ring_forward<T, Variant>(
+      comm, {rows_of(Q, Q_copy)}, {rows_of(K, K_copy)}, {rows_of(V, V_copy)}, options,
+      matrix_sizes(Q, K, V), matrix_check(Q, K, V), stats, log_sum_exp ? &lse : nullptr, variant);
+  if (log_sum_exp) *log_sum_exp = std::move(lse.front());
+  return std::move(out.front());
+}
+
+/// The Matrix forms of `ring_attention_backward` (one head), with or without a variant.
+template <class Variant, class DQ, class DK, class DV, class DOut, class DL, class DG>
+AttentionGrads<typename DQ::Scalar> matrix_ring_backward(
+    MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& O,
+    const Eigen::MatrixBase<DL>& log_sum_exp, const Eigen::MatrixBase<DG>& dO,
+    const AttentionOptions<typename DQ::Scalar>& options, RingStats& stats, const Variant* variant,
+    typename GradientOf<Variant>::type* dparams) {
+  using T = typename DQ::Scalar;
+  require_same_scalar<DQ, DK>();
+  require_same_scalar<DQ, DV>();
+  require_same_scalar<DQ, DOut>();
+  require_same_scalar<DQ, DL>();
+  require_same_scalar<DQ, DG>();
+  if constexpr (is_variant_v<Variant>) check_ring_variant<Variant, T, true>();
+  std::string error = matrix_check(Q, K, V);
+  if (error.empty()) error = ring_backward_check(Q, V, O, log_sum_exp, dO);
+  const Vector<T> lse = log_sum_exp.derived().reshaped();
+  Matrix<T> Q_copy, K_copy, V_copy, O_copy, dO_copy;
+  RingGradients<T> grads = ring_backward<T, Variant>(
+      comm, {rows_of(Q, Q_copy)}, {rows_of(K, K_copy)}, {rows_of(V, V_copy)}, {rows_of(O, O_copy)},
+      {lse}, {rows_of(dO, dO_copy)}, options, matrix_sizes(Q, K, V), error, stats, variant,
+      dparams);
+  AttentionGrads<T> out;
+  out.dQ = std::move(grads.dQ.front());
+  out.dK = std::move(grads.dK.front());
+  out.dV = std::move(grads.dV.front());
+  out.dbias = std::move(grads.dbias);
+  out.dsink = grads.dsink;
+  return out;
+}
+
 }  // namespace detail
 
 /// Attention over a sequence split across the ranks of `comm`, in rank order: rank r passes its
@@ -1089,15 +1151,8 @@ Matrix<typename DQ::Scalar> ring_attention(MPI_Comm comm, const Eigen::MatrixBas
                                            const Eigen::MatrixBase<DV>& V,
                                            const AttentionOptions<typename DQ::Scalar>& options,
                                            RingStats& stats) {
-  using T = typename DQ::Scalar;
-  detail::require_same_scalar<DQ, DK>();
-  detail::require_same_scalar<DQ, DV>();
-  Matrix<T> Q_copy, K_copy, V_copy;
-  std::vector<Matrix<T>> out =
-      detail::ring_forward<T>(comm, {detail::rows_of(Q, Q_copy)}, {detail::rows_of(K, K_copy)},
-                              {detail::rows_of(V, V_copy)}, options, detail::matrix_sizes(Q, K, V),
-                              detail::matrix_check(Q, K, V), stats);
-  return std::move(out.front());
+  return detail::matrix_ring_forward<detail::NoVariant>(comm, Q, K, V, options, stats, nullptr,
+                                                        nullptr);
 }
 
 /// `ring_attention` without the statistics.
@@ -1132,18 +1187,9 @@ Matrix<typename DQ::Scalar> ring_attention(MPI_Comm comm, const Eigen::MatrixBas
                                            const Eigen::MatrixBase<DV>& V,
                                            const AttentionOptions<typename DQ::Scalar>& options,
                                            Vector<typename DQ::Scalar>& log_sum_exp) {
-  using T = typename DQ::Scalar;
-  detail::require_same_scalar<DQ, DK>();
-  detail::require_same_scalar<DQ, DV>();
   RingStats stats;
-  std::vector<Vector<T>> lse;
-  Matrix<T> Q_copy, K_copy, V_copy;
-  std::vector<Matrix<T>> out =
-      detail::ring_forward<T>(comm, {detail::rows_of(Q, Q_copy)}, {detail::rows_of(K, K_copy)},
-                              {detail::rows_of(V, V_copy)}, options, detail::matrix_sizes(Q, K, V),
-                              detail::matrix_check(Q, K, V), stats, &lse);
-  log_sum_exp = std::move(lse.front());
-  return std::move(out.front());
+  return detail::matrix_ring_forward<detail::NoVariant>(comm, Q, K, V, options, stats, &log_sum_exp,
+                                                        nullptr);
 }
 
 /// Gradients of `ring_attention` across the ranks of `comm` (collective), from the forward's own
@@ -1170,27 +1216,8 @@ AttentionGrads<typename DQ::Scalar> ring_attention_backward(
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& O,
     const Eigen::MatrixBase<DL>& log_sum_exp, const Eigen::MatrixBase<DG>& dO,
     const AttentionOptions<typename DQ::Scalar>& options, RingStats& stats) {
-  using T = typename DQ::Scalar;
-  detail::require_same_scalar<DQ, DK>();
-  detail::require_same_scalar<DQ, DV>();
-  detail::require_same_scalar<DQ, DOut>();
-  detail::require_same_scalar<DQ, DL>();
-  detail::require_same_scalar<DQ, DG>();
-  std::string error = detail::matrix_check(Q, K, V);
-  if (error.empty()) error = detail::ring_backward_check(Q, V, O, log_sum_exp, dO);
-  const Vector<T> lse = log_sum_exp.derived().reshaped();
-  Matrix<T> Q_copy, K_copy, V_copy, O_copy, dO_copy;
-  detail::RingGradients<T> grads = detail::ring_backward<T>(
-      comm, {detail::rows_of(Q, Q_copy)}, {detail::rows_of(K, K_copy)},
-      {detail::rows_of(V, V_copy)}, {detail::rows_of(O, O_copy)}, {lse},
-      {detail::rows_of(dO, dO_copy)}, options, detail::matrix_sizes(Q, K, V), error, stats);
-  AttentionGrads<T> out;
-  out.dQ = std::move(grads.dQ.front());
-  out.dK = std::move(grads.dK.front());
-  out.dV = std::move(grads.dV.front());
-  out.dbias = std::move(grads.dbias);
-  out.dsink = grads.dsink;
-  return out;
+  return detail::matrix_ring_backward<detail::NoVariant>(comm, Q, K, V, O, log_sum_exp, dO, options,
+                                                         stats, nullptr, nullptr);
 }
 
 /// `ring_attention_backward` without the statistics.
@@ -1213,20 +1240,6 @@ AttentionGrads<typename DQ::Scalar> ring_attention_backward(
   return ring_attention_backward(comm, Q, K, V, O, log_sum_exp, dO, options, stats);
 }
 
-namespace detail {
-
-/// A ring call takes any variant but the checking mode: one rank's throw in the middle of the
-/// ring would leave the others waiting.
-template <class Variant, class T, bool backward>
-constexpr void check_ring_variant() {
-  check_variant<Variant, T, backward>();
-  static_assert(!is_checked<Variant>::value,
-                "attn: ring_attention does not take checked(variant) (a throw on one rank would "
-                "leave the others waiting): check the variant with flash_attention first");
-}
-
-}  // namespace detail
-
 /// `ring_attention` with a variant (variant.hpp, docs/variants.md): each rank's block of keys is
 /// the same variant at its own key positions, so the result equals `flash_attention` with the
 /// variant on the whole sequence (query i at key position i + the options' query offset, or M - N
@@ -1247,19 +1260,8 @@ Matrix<typename DQ::Scalar> ring_attention(MPI_Comm comm, const Eigen::MatrixBas
                                            const Eigen::MatrixBase<DV>& V, const Variant& variant,
                                            const AttentionOptions<typename DQ::Scalar>& options,
                                            Vector<typename DQ::Scalar>& log_sum_exp) {
-  using T = typename DQ::Scalar;
-  detail::require_same_scalar<DQ, DK>();
-  detail::require_same_scalar<DQ, DV>();
-  detail::check_ring_variant<Variant, T, false>();
   RingStats stats;
-  std::vector<Vector<T>> lse;
-  Matrix<T> Q_copy, K_copy, V_copy;
-  std::vector<Matrix<T>> out = detail::ring_forward<T, Variant>(
-      comm, {detail::rows_of(Q, Q_copy)}, {detail::rows_of(K, K_copy)},
-      {detail::rows_of(V, V_copy)}, options, detail::matrix_sizes(Q, K, V),
-      detail::matrix_check(Q, K, V), stats, &lse, &variant);
-  log_sum_exp = std::move(lse.front());
-  return std::move(out.front());
+  return detail::matrix_ring_forward(comm, Q, K, V, options, stats, &log_sum_exp, &variant);
 }
 
 /// `ring_attention` with a variant and the statistics of this rank's call (which show the pairs
@@ -1279,16 +1281,7 @@ Matrix<typename DQ::Scalar> ring_attention(MPI_Comm comm, const Eigen::MatrixBas
                                            const Eigen::MatrixBase<DV>& V, const Variant& variant,
                                            const AttentionOptions<typename DQ::Scalar>& options,
                                            RingStats& stats) {
-  using T = typename DQ::Scalar;
-  detail::require_same_scalar<DQ, DK>();
-  detail::require_same_scalar<DQ, DV>();
-  detail::check_ring_variant<Variant, T, false>();
-  Matrix<T> Q_copy, K_copy, V_copy;
-  std::vector<Matrix<T>> out = detail::ring_forward<T, Variant>(
-      comm, {detail::rows_of(Q, Q_copy)}, {detail::rows_of(K, K_copy)},
-      {detail::rows_of(V, V_copy)}, options, detail::matrix_sizes(Q, K, V),
-      detail::matrix_check(Q, K, V), stats, nullptr, &variant);
-  return std::move(out.front());
+  return detail::matrix_ring_forward(comm, Q, K, V, options, stats, nullptr, &variant);
 }
 
 /// `ring_attention` with a variant, without the log-sum-exp.
@@ -1335,30 +1328,9 @@ AttentionGrads<typename DQ::Scalar> ring_attention_backward(
     const Eigen::MatrixBase<DL>& log_sum_exp, const Eigen::MatrixBase<DG>& dO,
     const Variant& variant, const AttentionOptions<typename DQ::Scalar>& options = {},
     typename detail::GradientOf<Variant>::type* dparams = nullptr) {
-  using T = typename DQ::Scalar;
-  detail::require_same_scalar<DQ, DK>();
-  detail::require_same_scalar<DQ, DV>();
-  detail::require_same_scalar<DQ, DOut>();
-  detail::require_same_scalar<DQ, DL>();
-  detail::require_same_scalar<DQ, DG>();
-  detail::check_ring_variant<Variant, T, true>();
-  std::string error = detail::matrix_check(Q, K, V);
-  if (error.empty()) error = detail::ring_backward_check(Q, V, O, log_sum_exp, dO);
-  const Vector<T> lse = log_sum_exp.derived().reshaped();
-  Matrix<T> Q_copy, K_copy, V_copy, O_copy, dO_copy;
   RingStats stats;
-  detail::RingGradients<T> grads = detail::ring_backward<T, Variant>(
-      comm, {detail::rows_of(Q, Q_copy)}, {detail::rows_of(K, K_copy)},
-      {detail::rows_of(V, V_copy)}, {detail::rows_of(O, O_copy)}, {lse},
-      {detail::rows_of(dO, dO_copy)}, options, detail::matrix_sizes(Q, K, V), error, stats,
-      &variant, dparams);
-  AttentionGrads<T> out;
-  out.dQ = std::move(grads.dQ.front());
-  out.dK = std::move(grads.dK.front());
-  out.dV = std::move(grads.dV.front());
-  out.dbias = std::move(grads.dbias);
-  out.dsink = grads.dsink;
-  return out;
+  return detail::matrix_ring_backward(comm, Q, K, V, O, log_sum_exp, dO, options, stats, &variant,
+                                      dparams);
 }
 
 namespace detail {
