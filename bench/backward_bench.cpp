@@ -118,12 +118,20 @@ void BM_BackwardNaive(benchmark::State& state) {
       10.0 * c.pairs() * static_cast<double>(c.d));
 }
 
+/// A document mask given as a rule per key alone, without `keys` or `tile`.
+struct DocumentsByKey {
+  const attn::DocumentMask* documents;
+  bool allowed(const attn::ScoreAt& at) const { return attn::variant_allows(*documents, at); }
+};
+
 /// Documents packed into one sequence (`docs` documents of n / docs tokens, causal inside each),
 /// forward and backward (`attention_backward` without the forward's output, so each way runs
 /// its own forward): way 0, one call per document; way 1, the `DocumentMask` variant over the
-/// packed sequence; way 2, the variant without causality beside the option `causal`. FLOP/s: the
-/// useful flops (14 n n d / docs, each document's causal half) over the time. The variants
-/// issue's target: way 1 within 1.15x of way 0.
+/// packed sequence; way 2, the variant without causality beside the option `causal`; way 3, the
+/// causal document mask as a rule per key alone (`DocumentsByKey`: the library classifies each
+/// tile by evaluating it, into the backward's block mask). FLOP/s: the useful flops (14 n n d /
+/// docs, each document's causal half) over the time. The variants issue's target: way 1 within
+/// 1.15x of way 0.
 ///   build/bench/attn_backward_bench --benchmark_filter=BM_DocumentMaskBackward
 void BM_DocumentMaskBackward(benchmark::State& state) {
   const Index n = state.range(0);
@@ -156,6 +164,8 @@ void BM_DocumentMaskBackward(benchmark::State& state) {
           }
         } else if (way == 1) {
           attn::attention_backward(Q, K, V, dO, causal_documents, {}, packed);
+        } else if (way == 3) {
+          attn::attention_backward(Q, K, V, dO, DocumentsByKey{&causal_documents}, {}, packed);
         } else {
           attn::attention_backward(Q, K, V, dO, documents, causal, packed);
         }
@@ -164,7 +174,7 @@ void BM_DocumentMaskBackward(benchmark::State& state) {
       14.0 * pairs * static_cast<double>(d));
 }
 BENCHMARK(BM_DocumentMaskBackward)
-    ->ArgsProduct({{4096}, {8}, {64}, {0, 1, 2}})
+    ->ArgsProduct({{4096}, {8}, {64}, {0, 1, 2, 3}})
     ->ArgNames({"n", "docs", "d", "way"})
     ->UseRealTime();
 

@@ -121,6 +121,23 @@ struct PackedOperands {
   explicit operator bool() const { return K.panels != nullptr; }
 };
 
+/// The variant's classification of the tile of queries [i0, i0 + rows) x keys [j0, j0 + cols)
+/// (Full for a variant without a mask).
+template <class T, class Variant>
+TileKind kind_of_tile(const BackwardInputs<T, Variant>& in, Index i0, Index rows, Index j0,
+                      Index cols) {
+  if constexpr (variant_masks_v<Variant>) {
+    const ScoreRule<T>& rule = in.rule;
+    return classify_tile(*in.variant.variant,
+                         in.variant.tile(rule.q_position + i0, rule.q_position + i0 + rows,
+                                         rule.k_position + j0, rule.k_position + j0 + cols));
+  } else {
+    static_cast<void>(in), static_cast<void>(i0), static_cast<void>(rows);
+    static_cast<void>(j0), static_cast<void>(cols);
+    return TileKind::Full;
+  }
+}
+
 /// One tile step: for queries [i0, i0 + rows) and keys [j0, j0 + cols), the probabilities
 /// P_ij = exp(z_ij - lse_i) into `scratch.P` and the unscaled score gradient dS_ij (dZ_ij through
 /// the softcap) into `scratch.dS`, both rows x cols at the start of their rows (row strides
@@ -135,10 +152,13 @@ struct PackedOperands {
 ///   2. P = exp(z - lse_i) (exactly 0 where forbidden; a row with lse = -inf sees nothing: zeros).
 ///   3. dP = dO_i V_j^T; dZ = P o (dP - D_i), exactly 0 where P is 0 (no 0 * NaN);
 ///      dS = dZ o G o Gv, exactly 0 where dZ is.
+/// `kind` is the variant's tile classification of the tile (`kind_of_tile`; Full without a mask):
+/// the mask is evaluated entry by entry unless it is Full.
 template <class T, class Variant = NoVariant>
 void backward_tile(const BackwardInputs<T, Variant>& in, const PackedOperands<T>& packed, Index i0,
-                   Index rows, Index j0, Index cols, BackwardScratch<T>& scratch, T* dbias,
-                   Index dbias_stride, typename GradientOf<Variant>::type* dparams = nullptr) {
+                   Index rows, Index j0, Index cols, TileKind kind, BackwardScratch<T>& scratch,
+                   T* dbias, Index dbias_stride,
+                   typename GradientOf<Variant>::type* dparams = nullptr) {
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
   using Tile = Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>;
   const ScoreRule<T>& rule = in.rule;
@@ -190,9 +210,6 @@ void backward_tile(const BackwardInputs<T, Variant>& in, const PackedOperands<T>
   const bool inside = last_row.begin <= j0 && first_row.end >= j0 + cols;
   if (rule.has_tables() || !inside) rule.apply_tables(P, i0, j0);
   if constexpr (variant_masks_v<Variant>) {
-    const TileKind kind = classify_tile(
-        *in.variant.variant, in.variant.tile(rule.q_position + i0, rule.q_position + i0 + rows,
-                                             rule.k_position + j0, rule.k_position + j0 + cols));
     if (kind != TileKind::Full) {
       variant_mask_tile<T>(in.variant, rule, P.data(), P.outerStride(), i0, rows, j0, cols);
     }
@@ -325,7 +342,8 @@ void materialised_backward(const BackwardInputs<T, Variant>& in, Matrix<T>& P, M
   parallel_for<BackwardScratch<T>>(blocks, rows_flops, [&](Index b, BackwardScratch<T>& s) {
     const Index i0 = b * block;
     const Index rows = std::min(block, n - i0);
-    backward_tile<T>(in, PackedOperands<T>{}, i0, rows, 0, m, s, dbias, m, dparams.of(b));
+    backward_tile<T>(in, PackedOperands<T>{}, i0, rows, 0, m, kind_of_tile(in, i0, rows, 0, m), s,
+                     dbias, m, dparams.of(b));
     P.middleRows(i0, rows) = s.P.topLeftCorner(rows, m);
     dS.middleRows(i0, rows) = s.dS.topLeftCorner(rows, m);
     grads.dQ.middleRows(i0, rows).noalias() = (in.rule.scale * dS.middleRows(i0, rows)) * in.K;
@@ -382,18 +400,19 @@ void tiled_backward(const BackwardInputs<T, Variant>& in, T* packed_K, T* packed
   // untouched: they are neither zeroed nor summed).
   std::vector<KeyRange> touched(static_cast<std::size_t>(kp.parts), KeyRange{n, 0});
   T* dbias = grads.dbias.size() ? grads.dbias.data() : nullptr;
-  const auto sees = [&](Index i0, Index rows, Index j0, Index cols) {
+  // The block mask of the call: each tile's kind (Empty where the rule's ranges and tables or the
+  // variant rule it out), found once, by the part that owns the tile's keys, and read twice.
+  const Index query_tiles = (n + tiles.query_rows - 1) / tiles.query_rows;
+  std::vector<TileKind> kinds(static_cast<std::size_t>(kp.blocks * query_tiles));
+  const auto kind_at = [&](Index blk, Index i0) -> TileKind& {
+    return kinds[static_cast<std::size_t>(blk * query_tiles + i0 / tiles.query_rows)];
+  };
+  const auto classify = [&](Index i0, Index rows, Index j0, Index cols) {
     const KeyRange range = rule.keys(i0, rows);
     if (range.end <= j0 || range.begin >= j0 + cols || rule.masked_out(i0, rows, j0, cols)) {
-      return false;
+      return TileKind::Empty;
     }
-    if constexpr (variant_masks_v<Variant>) {
-      return classify_tile(*in.variant.variant,
-                           in.variant.tile(rule.q_position + i0, rule.q_position + i0 + rows,
-                                           rule.k_position + j0, rule.k_position + j0 + cols)) !=
-             TileKind::Empty;
-    }
-    return true;
+    return kind_of_tile(in, i0, rows, j0, cols);
   };
   // The five products of the backward: 2 n m (3 d_k + 2 d_v) flops.
   const double flops = 2.0 * double(n) * double(m) * double(3 * d_k + 2 * d_v);
@@ -415,7 +434,9 @@ void tiled_backward(const BackwardInputs<T, Variant>& in, T* packed_K, T* packed
       const Index cols = std::min(kp.key_cols, m - j0);
       for (Index i0 = 0; i0 < n; i0 += tiles.query_rows) {
         const Index rows = std::min(tiles.query_rows, n - i0);
-        if (!sees(i0, rows, j0, cols)) continue;
+        TileKind& kind = kind_at(blk, i0);
+        kind = classify(i0, rows, j0, cols);
+        if (kind == TileKind::Empty) continue;
         rows_touched.begin = std::min(rows_touched.begin, i0);
         rows_touched.end = std::max(rows_touched.end, i0 + rows);
       }
@@ -434,8 +455,9 @@ void tiled_backward(const BackwardInputs<T, Variant>& in, T* packed_K, T* packed
       grads.dV.middleRows(j0, cols).setZero();
       for (Index i0 = 0; i0 < n; i0 += tiles.query_rows) {
         const Index rows = std::min(tiles.query_rows, n - i0);
-        if (!sees(i0, rows, j0, cols)) continue;
-        backward_tile<T>(in, packed, i0, rows, j0, cols, s, dbias, m, dparams.of(part));
+        const TileKind kind = kind_at(blk, i0);
+        if (kind == TileKind::Empty) continue;
+        backward_tile<T>(in, packed, i0, rows, j0, cols, kind, s, dbias, m, dparams.of(part));
         const Index p_stride = s.P.outerStride();
         const Index ds_stride = s.dS.outerStride();
         value_tiles<T, true>(cols, rows, d_v, s.P.data(), p_stride,
