@@ -300,6 +300,56 @@ TEST(PathsChoice, TiledFromMoreThan32x32ScoresWithSixteenQueriesAndKeys) {
   EXPECT_EQ(path(128, 128, true), Path::Materialised);
 }
 
+// Each option is a stage of the score rule, and the kernels' shortcuts are the rule's folds over
+// its stages: an option set alone must make a tile go through `apply` (changes_scores), keep one
+// query off the decoding kernel unless it is uniform (has_per_entry), and enter the backward's
+// chain rule unless it is linear (has_slope). A stage left out of the rule's lists fails here.
+TEST(PathsChoice, EveryOptionIsSeenByTheKernelsShortcuts) {
+  using attn::detail::Path;
+  const Index n = 1, m = 40;
+  const attn::Mask mask = attn::Mask::Constant(n, m, true);
+  const attn::Matrix<float> bias = attn::Matrix<float>::Zero(n, m);
+  struct Expected {
+    const char* option;
+    attn::AttentionOptions<float> options;
+    bool per_entry;
+    bool sloped;
+  };
+  std::vector<Expected> cases(4);
+  cases[0].option = "softcap";
+  cases[0].options.softcap = 30.0f;
+  cases[0].sloped = true;
+  cases[1].option = "alibi_slope";
+  cases[1].options.alibi_slope = 0.5f;
+  cases[1].per_entry = true;
+  cases[2].option = "bias";
+  cases[2].options.bias = bias;
+  cases[2].per_entry = true;
+  cases[3].option = "mask";
+  cases[3].options.mask = mask;
+  cases[3].per_entry = true;
+  const attn::detail::ScoreRule<float> plain =
+      attn::detail::make_rule(attn::AttentionOptions<float>{}, n, m, 64);
+  EXPECT_FALSE(plain.changes_scores());
+  EXPECT_FALSE(plain.has_per_entry());
+  EXPECT_FALSE(plain.has_slope());
+  for (const Expected& c : cases) {
+    const attn::detail::ScoreRule<float> rule = attn::detail::make_rule(c.options, n, m, 64);
+    EXPECT_TRUE(rule.changes_scores()) << c.option;
+    EXPECT_EQ(rule.has_per_entry(), c.per_entry) << c.option;
+    EXPECT_EQ(rule.has_slope(), c.sloped) << c.option;
+    EXPECT_EQ(attn::detail::choose_path(rule, 64, 64, false),
+              c.per_entry ? Path::Materialised : Path::Decode)
+        << c.option;
+  }
+  attn::detail::ScoreRule<float> padded = plain;  // key padding, the layer's key_valid
+  const bool valid[m] = {};
+  padded.key_valid = {valid, 0};
+  EXPECT_TRUE(padded.changes_scores());
+  EXPECT_TRUE(padded.has_per_entry());
+  EXPECT_TRUE(padded.masked_out(0, 1, 0, m));
+}
+
 TYPED_TEST(Paths, NanRuleMaterialisedTiledAndDecode) {
   using T = TypeParam;
   expect_nan_rule_single_head<T>(12, 20, 8, "materialised size");

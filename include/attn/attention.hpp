@@ -116,9 +116,9 @@ AttentionTrace<T> trace_tables(ConstRef<T> q, ConstRef<T> k, ConstRef<T> v,
       }
     }
   }
-  rule.apply_softcap(trace.scaled);
+  rule.apply_uniform(trace.scaled);
   trace.masked = trace.scaled;
-  rule.apply_tables(trace.masked, 0, 0);
+  rule.apply_per_entry(trace.masked, 0, 0);
   if constexpr (variant_masks_v<Variant>) {
     for (Index i = 0; i < q.rows(); ++i) {
       for (Index j = 0; j < k.rows(); ++j) {

@@ -225,7 +225,7 @@ void flash_block(ConstRef<T> Q, const KBlock& K, const VBlock& V, const PackedKe
   scratch.state.start(rows, d_v, rule.sink);
   T* s = scratch.s.data();
   const Index s_stride = scratch.s.outerStride();
-  const bool plain = !rule.has_tables() && !rule.softcap;
+  const bool plain = !rule.changes_scores();
   const KeyRange range = variant_columns<T>(variant, rule, rule.keys(i0, rows), i0, rows);
   const KeyRange first_row = rule.keys(i0);
   const KeyRange last_row = rule.keys(i0 + rows - 1);

@@ -1007,15 +1007,9 @@ class MultiHeadAttention {
   }
 
   /// The rule of PyTorch's appended keys (add_bias_kv, add_zero_attn): every query sees them, with
-  /// the scale and softcap of `rule`; no mask, bias, ALiBi or sink.
+  /// the scale and uniform stages (softcap) of `rule`; no mask, bias, ALiBi or sink.
   static detail::ScoreRule<T> appended_rule(const detail::ScoreRule<T>& rule, Index extra) {
-    detail::ScoreRule<T> appended;
-    appended.n = rule.n;
-    appended.m = extra;
-    appended.table_cols = extra;
-    appended.scale = rule.scale;
-    appended.softcap = rule.softcap;
-    return appended;
+    return rule.uniform_part(rule.n, extra);
   }
 
   /// Head h of batch item b, by the path `detail::choose_path` picks: its output into its block

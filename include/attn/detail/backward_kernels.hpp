@@ -199,16 +199,13 @@ void backward_tile(const BackwardInputs<T, Variant>& in, const PackedOperands<T>
     }
     variant_scores<T>(in.variant, rule, P.data(), P.outerStride(), i0, rows, j0, cols);
   }
-  if (rule.softcap) {
-    const T c = *rule.softcap;
-    P = c * (P.array() * (T(1) / c)).tanh();
-    scratch.G.resize(rows, cols);
-    scratch.G = T(1) - (P.array() * (T(1) / c)).square();
-  }
+  const bool sloped = rule.has_slope();  // G = d z / d (the variant's score), through the rule
+  if (sloped) scratch.G.resize(rows, cols);
+  rule.apply_uniform(P, sloped ? &scratch.G : nullptr);
   const KeyRange first_row = rule.keys(i0);
   const KeyRange last_row = rule.keys(i0 + rows - 1);
   const bool inside = last_row.begin <= j0 && first_row.end >= j0 + cols;
-  if (rule.has_tables() || !inside) rule.apply_tables(P, i0, j0);
+  if (rule.has_per_entry() || !inside) rule.apply_per_entry(P, i0, j0);
   if constexpr (variant_masks_v<Variant>) {
     if (kind != TileKind::Full) {
       variant_mask_tile<T>(in.variant, rule, P.data(), P.outerStride(), i0, rows, j0, cols);
@@ -234,7 +231,7 @@ void backward_tile(const BackwardInputs<T, Variant>& in, const PackedOperands<T>
     for (Index c = 0; c < cols; ++c) ds[c] = p[c] == T(0) ? T(0) : p[c] * (ds[c] - D_i);
     if (dbias) std::copy(ds, ds + cols, dbias + (i0 + r) * dbias_stride + j0);
   }
-  if (rule.softcap) dS.array() *= scratch.G.array();
+  if (sloped) dS.array() *= scratch.G.array();
   if constexpr (variant_learns_v<Variant>) {
     if (dparams) {  // dS is dL / d(the variant's score) here
       for (Index r = 0; r < rows; ++r) {
@@ -271,7 +268,7 @@ bool exact_entry(const BackwardInputs<T, Variant>& in, Index i, Index j, T& p, T
   if (z == neg_inf) return false;
   p = in.lse(i) == neg_inf ? T(0) : std::exp(z - in.lse(i));
   const T dz = p == T(0) ? T(0) : p * (in.dO.row(i).dot(in.V.row(j)) - in.D(i));
-  T modified = scaled;  // the softcap's input: the variant's score of the scaled score
+  T modified = scaled;  // the rule's input: the variant's score of the scaled score
   T dvariant = T(1);
   if constexpr (variant_scores_v<Variant>) {
     const ScoreAt at = in.variant.at(rule.q_position + i, rule.k_position + j);
@@ -279,10 +276,7 @@ bool exact_entry(const BackwardInputs<T, Variant>& in, Index i, Index j, T& p, T
     dvariant = in.variant.variant->dscore(scaled, at);
   }
   ds = dz;
-  if (rule.softcap) {
-    const T t = std::tanh(modified / *rule.softcap);
-    ds *= T(1) - t * t;
-  }
+  if (rule.has_slope()) ds *= rule.slope(modified, i, j);
   if (ds != T(0)) ds *= dvariant;
   return true;
 }

@@ -670,7 +670,7 @@ void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index col
   if constexpr (is_variant_v<Variant>) {
     decode_variant<VariantStep::Score>(variant, s, s_stride, h0, Index(G), j0, cols);
   }
-  rule.apply_softcap(scratch.s.block(h0, 0, Index(G), cols));
+  rule.apply_uniform(scratch.s.block(h0, 0, Index(G), cols));
   if constexpr (is_variant_v<Variant>) {
     decode_variant<VariantStep::Mask>(variant, s, s_stride, h0, Index(G), j0, cols);
   }
@@ -714,11 +714,8 @@ void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index col
 template <class T, class KBlock, class VBlock, class Variant>
 void repair_decode_rows(ConstRef<T> q, const KBlock& K, const VBlock& V, const ScoreRule<T>& rule,
                         Eigen::Ref<Matrix<T>> o, T* lse, const DecodeVariant<Variant>& variant) {
-  ScoreRule<T> one;  // one query against every key of the block, nothing else of the call's rule
-  one.n = 1;
-  one.m = K.rows();
-  one.scale = rule.scale;
-  one.softcap = rule.softcap;
+  // One query against every key of the block, nothing else of the call's rule.
+  ScoreRule<T> one = rule.uniform_part(1, K.rows());
   one.sink = rule.sink;
   one.q_position = variant.query;
   one.k_position = variant.first_key;
@@ -833,7 +830,7 @@ void decode_blocks(ConstRef<T> q, const KBlock& K, const VBlock& V, const ScoreR
       if constexpr (is_variant_v<Variant>) {
         decode_variant<VariantStep::Score>(variant, s.data(), s.outerStride(), 0, g, j0, cols);
       }
-      rule.apply_softcap(s);
+      rule.apply_uniform(s);
       if constexpr (is_variant_v<Variant>) {
         decode_variant<VariantStep::Mask>(variant, s.data(), s.outerStride(), 0, g, j0, cols);
       }
@@ -845,7 +842,7 @@ void decode_blocks(ConstRef<T> q, const KBlock& K, const VBlock& V, const ScoreR
       if constexpr (is_variant_v<Variant>) {
         decode_variant<VariantStep::Score>(variant, s.data(), s.outerStride(), 0, g, j0, cols);
       }
-      rule.apply_softcap(s);
+      rule.apply_uniform(s);
       if constexpr (is_variant_v<Variant>) {
         decode_variant<VariantStep::Mask>(variant, s.data(), s.outerStride(), 0, g, j0, cols);
       }

@@ -66,7 +66,7 @@ enum class Path { Materialised, Tiled, Decode };
 template <class T>
 Path choose_path(const ScoreRule<T>& rule, Index d_k, Index d_v, bool need_weights) {
   if (need_weights) return Path::Materialised;
-  if (rule.n == 1 && !rule.has_tables()) return Path::Decode;
+  if (rule.n == 1 && !rule.has_per_entry()) return Path::Decode;
   const Index kv_bytes = rule.m * (d_k + d_v) * static_cast<Index>(sizeof(T));
   if (rule.n * rule.m > 256 * 256 || kv_bytes > (Index(1) << 20)) return Path::Tiled;
   if (rule.n * rule.m > 32 * 32 && std::min(rule.n, rule.m) >= 16) return Path::Tiled;
