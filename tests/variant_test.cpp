@@ -675,6 +675,36 @@ TEST(VariantBackward, TheThreadCountDoesNotChangeTheBits) {
   EXPECT_TRUE(attn_test::identical(one.dV, two.dV));
 }
 
+/// A document mask given as a rule per key alone (no `keys`, no `tile`).
+struct DocumentsByKey {
+  attn::DocumentMask documents;
+  bool allowed(const ScoreAt& at) const { return attn::variant_allows(documents, at); }
+};
+
+// Without a tile classification, attention_backward classifies the mask once per call into a
+// block mask (cells of 4 queries x 128 keys) that its forward (36 x 512 tiles) and its backward
+// (128 x 128, and 40 x 50 here: tiles that cut cells) both read. The gradients equal those of the
+// same mask with its exact tiles; ragged documents put Empty, Full and Partial cells side by side.
+TEST(VariantBackward, AMaskWithoutTilesIsClassifiedOnceIntoABlockMask) {
+  std::mt19937 rng(25);
+  const Index n = 301;
+  const attn::Matrix<double> Q = attn_test::random_matrix<double>(n, 8, rng);
+  const attn::Matrix<double> K = attn_test::random_matrix<double>(n, 8, rng);
+  const attn::Matrix<double> V = attn_test::random_matrix<double>(n, 8, rng);
+  const attn::Matrix<double> dO = attn_test::random_matrix<double>(n, 8, rng);
+  const attn::DocumentMask documents({0, 3, 131, 132, 260, 301}, true);
+  const DocumentsByKey by_key{documents};
+  for (const attn::BackwardTiles tiles : {attn::BackwardTiles{}, attn::BackwardTiles{40, 50}}) {
+    const attn::AttentionGrads<double> exact =
+        attn::flash_attention_backward(Q, K, V, dO, documents, {}, tiles);
+    const attn::AttentionGrads<double> cached =
+        attn::flash_attention_backward(Q, K, V, dO, by_key, {}, tiles);
+    EXPECT_TRUE(attn_test::near(cached.dQ, exact.dQ, 1e-13, 1e-13));
+    EXPECT_TRUE(attn_test::near(cached.dK, exact.dK, 1e-13, 1e-13));
+    EXPECT_TRUE(attn_test::near(cached.dV, exact.dV, 1e-13, 1e-13));
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // T5's relative position bias, a variant with learnable parameters.
 

@@ -545,7 +545,74 @@ void backward_kernel(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, ConstRef<T> O,
   }
 }
 
+/// A variant's mask classified once per call on a grid of cells of `row_step` queries x
+/// `col_step` keys (n m / 512 kinds; a multiple of both kernels' grids, the forward's 36 x 512 and
+/// the backward's 128 x 128), for one binding (batch item and heads). A tile's kind combines the
+/// cells it touches: Empty or Full where all of them are, else Partial (always correct, also where
+/// a tile cuts a cell).
+struct BlockMask {
+  static constexpr Index row_step = 4;
+  static constexpr Index col_step = 128;
+  Index q_position = 0;  ///< position of query 0
+  Index k_position = 0;  ///< position of key 0
+  Index rows = 0;        ///< cells down
+  Index cols = 0;        ///< cells across
+  std::vector<TileKind> kinds;
+
+  template <class V>
+  BlockMask(const BoundVariant<V>& variant, Index q0, Index n, Index k0, Index m)
+      : q_position(q0),
+        k_position(k0),
+        rows((n + row_step - 1) / row_step),
+        cols((m + col_step - 1) / col_step),
+        kinds(static_cast<std::size_t>(rows * cols)) {
+    parallel_for<int>(rows, double(n) * double(m), [&](Index r, int&) {
+      const Index i = r * row_step;
+      for (Index c = 0; c < cols; ++c) {
+        const Index j = c * col_step;
+        kinds[static_cast<std::size_t>(r * cols + c)] = classify_by_mask(
+            *variant.variant, variant.tile(q0 + i, q0 + std::min(n, i + row_step), k0 + j,
+                                           k0 + std::min(m, j + col_step)));
+      }
+    });
+  }
+
+  /// The kind of the queries at positions [q_begin, q_end) x keys at [k_begin, k_end).
+  TileKind of(const PositionRange& queries, const PositionRange& keys) const {
+    const Index r0 = (queries.begin - q_position) / row_step;
+    const Index r1 = (queries.end - q_position + row_step - 1) / row_step;
+    const Index c0 = (keys.begin - k_position) / col_step;
+    const Index c1 = (keys.end - k_position + col_step - 1) / col_step;
+    const TileKind first = kinds[static_cast<std::size_t>(r0 * cols + c0)];
+    if (first == TileKind::Partial) return first;
+    for (Index r = r0; r < r1; ++r) {
+      for (Index c = c0; c < c1; ++c) {
+        if (kinds[static_cast<std::size_t>(r * cols + c)] != first) return TileKind::Partial;
+      }
+    }
+    return first;
+  }
+};
+
+/// Variant V whose tile classification is read from a `BlockMask` built for one binding; any
+/// other binding (never asked by the calls that build one) is classified by the mask.
+template <class V>
+struct BlockMasked : V {
+  const BlockMask* blocks;
+  TileAt bound;  ///< the binding (batch item, heads) of `blocks`
+  BlockMasked(const V& variant, const BlockMask& block_mask, const BoundVariant<V>& binding)
+      : V(variant), blocks(&block_mask), bound(binding.tile(0, 0, 0, 0)) {}
+  TileKind tile(const TileAt& at) const {
+    if (at.batch != bound.batch || at.head != bound.head || at.kv_head != bound.kv_head) {
+      return classify_by_mask(static_cast<const V&>(*this), at);
+    }
+    return blocks->of(at.queries, at.keys);
+  }
+};
+
 /// The forward on `path` (its output and log-sum-exp kept), then the backward on the same path.
+/// With a variant that masks but does not classify tiles, the mask is classified once for both,
+/// into a `BlockMask`.
 template <class T, class Variant = NoVariant>
 void forward_and_backward(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, ConstRef<T> dO,
                           const ScoreRule<T>& rule, Path path, const BackwardTiles& tiles,
@@ -553,6 +620,18 @@ void forward_and_backward(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, ConstRef<
                           typename GradientOf<Variant>::type* dparams = nullptr) {
   Matrix<T> O(Q.rows(), V.cols());
   Vector<T> lse(Q.rows());
+  if constexpr (variant_masks_v<Variant> && !variant_tiles_v<Variant> &&
+                !is_checked<Variant>::value) {
+    if (Q.rows() > 0 && K.rows() > 0) {
+      const BlockMask blocks(variant, rule.q_position, Q.rows(), rule.k_position, K.rows());
+      const BlockMasked<Variant> masked(*variant.variant, blocks, variant);
+      const BoundVariant<BlockMasked<Variant>> bound{&masked, variant.batch, variant.head,
+                                                     variant.kv_head};
+      forward_for_backward<T>(Q, K, V, rule, path, O, lse, bound);
+      backward_kernel<T>(Q, K, V, O, lse, dO, rule, path, tiles, grads, bound, dparams);
+      return;
+    }
+  }
   forward_for_backward<T>(Q, K, V, rule, path, O, lse, variant);
   backward_kernel<T>(Q, K, V, O, lse, dO, rule, path, tiles, grads, variant, dparams);
 }
