@@ -179,6 +179,35 @@ EIGEN_ALWAYS_INLINE void for_each_index(std::index_sequence<i...>, const F& f) {
   (f(std::integral_constant<std::size_t, i>()), ...);
 }
 
+/// One row of a register tile, scaled, into `to` (`width` scores; streamed past the caches when
+/// asked and the panel is whole). Always inlined: as a lambda GCC 12 made it a call per row in some
+/// translation units, which slowed the score kernel by about 8% there (docs/benchmarks.md).
+template <class T, std::size_t packets>
+EIGEN_ALWAYS_INLINE void store_tile_row(T* to,
+                                        const typename ScoreTile<T>::Packet (&acc_r)[packets],
+                                        const typename ScoreTile<T>::Packet& scale_p, Index width,
+                                        bool stream) {
+  using Tile = ScoreTile<T>;
+  using Eigen::internal::pmul;
+  using Eigen::internal::pstoreu;
+  constexpr Index lanes = Tile::lanes;
+  if (width == Tile::cols && stream) {
+    for (std::size_t p = 0; p < packets; ++p) {
+      stream_packet(to + Index(p) * lanes, pmul(acc_r[p], scale_p));
+    }
+  } else if (width == Tile::cols) {
+    for (std::size_t p = 0; p < packets; ++p) {
+      pstoreu(to + Index(p) * lanes, pmul(acc_r[p], scale_p));
+    }
+  } else {  // the last, partial panel
+    EIGEN_ALIGN_MAX T tile_row[Tile::cols];
+    for (std::size_t p = 0; p < packets; ++p) {
+      pstoreu(tile_row + Index(p) * lanes, pmul(acc_r[p], scale_p));
+    }
+    std::copy(tile_row, tile_row + width, to);
+  }
+}
+
 /// One register tile: S[r, 0:width) = scale * sum_c Q[r, c] * panel[c, 0:width) for `Rows` query
 /// rows. Shape contract: q points at Q(i, 0) with row stride q_stride; panel is one key panel
 /// (`KeyPanels`) of d features, `panel_stride` scalars apart; s points at S(i, j0) with row stride
@@ -222,24 +251,7 @@ EIGEN_ALWAYS_INLINE void score_tile(std::index_sequence<r...>, const T* q, Index
 
   // 2. Scale in the registers and write the tile once.
   const Packet scale_p = pset1<Packet>(scale);
-  const auto store = [&](T* to, Packet(&acc_r)[packets]) {
-    if (width == Tile::cols && stream) {
-      for (std::size_t p = 0; p < packets; ++p) {
-        stream_packet(to + Index(p) * lanes, pmul(acc_r[p], scale_p));
-      }
-    } else if (width == Tile::cols) {
-      for (std::size_t p = 0; p < packets; ++p) {
-        pstoreu(to + Index(p) * lanes, pmul(acc_r[p], scale_p));
-      }
-    } else {  // the last, partial panel
-      EIGEN_ALIGN_MAX T tile_row[Tile::cols];
-      for (std::size_t p = 0; p < packets; ++p) {
-        pstoreu(tile_row + Index(p) * lanes, pmul(acc_r[p], scale_p));
-      }
-      std::copy(tile_row, tile_row + width, to);
-    }
-  };
-  (store(s + Index(r) * s_stride, acc[r]), ...);
+  (store_tile_row<T>(s + Index(r) * s_stride, acc[r], scale_p, width, stream), ...);
 }
 
 /// Runs `tile(std::make_index_sequence<h>(), i)` down the rows [0, rows): tiles of h = Rows rows
