@@ -998,9 +998,9 @@ struct OddKeysCalledFull {
 template <class V, class Alone>
 void expect_heads_backward_is_each_heads(const V& variant, const Alone& alone,
                                          const attn::AttentionOptions<double>& options,
-                                         const std::string& name) {
+                                         const std::string& name, Index n = 37) {
   std::mt19937 rng(45);
-  const Index heads = 4, kv_heads = 2, n = 37, d = 8, d_v = 5;
+  const Index heads = 4, kv_heads = 2, d = 8, d_v = 5;
   const attn::Tensor3<double> Q = random_tensor(heads, n, d, rng);
   const attn::Tensor3<double> K = random_tensor(kv_heads, n, d, rng);
   const attn::Tensor3<double> Vv = random_tensor(kv_heads, n, d_v, rng);
@@ -1036,6 +1036,14 @@ TEST(VariantHeads, TheBackwardIsEachHeadsBackward) {
         return PerHead{h, kv};
       },
       {}, "per-head score and mask");
+  // Long enough for the block mask of a mask without tiles (cells of 4 x 128) to hold Empty and
+  // Full cells that differ from head to head near the diagonal: each head needs its own.
+  expect_heads_backward_is_each_heads(
+      PerHead{},
+      [](Index h, Index kv) {
+        return PerHead{h, kv};
+      },
+      {}, "per-head score and mask, 300 tokens", 300);
   expect_heads_backward_is_each_heads(
       attn::both(attn::DocumentMask({0, 10, 37}, true), PerHead{}),
       [](Index h, Index kv) {

@@ -523,15 +523,19 @@ void heads_backward_kernel(const Tensor3<T>& Q, const Tensor3<T>& K, const Tenso
       const Path path = backward_path(rule, d_k, d_v);
       const ConstRef<T> q = slice(Q, h);
       const BoundVariant<Variant> bound{variant, 0, h, kv};
+      Gradient* dparams_h = dparams ? &dparams_heads[static_cast<std::size_t>(h)] : nullptr;
       if (O) {
         s.lse = lse->row(h).transpose();
+        backward_kernel<T>(q, k, v, ConstRef<T>(slice(*O, h)), s.lse, slice(dO, h), rule, path,
+                           BackwardTiles{}, s.head, bound, dparams_h);
       } else {
         s.O.resize(n, d_v);
-        forward_for_backward<T>(q, k, v, rule, path, s.O, s.lse, bound);
+        with_block_mask<T>(rule, n, m, bound, [&](const auto& b) {
+          forward_for_backward<T>(q, k, v, rule, path, s.O, s.lse, b);
+          backward_kernel<T>(q, k, v, s.O, s.lse, slice(dO, h), rule, path, BackwardTiles{}, s.head,
+                             b, dparams_h);
+        });
       }
-      backward_kernel<T>(q, k, v, O ? ConstRef<T>(slice(*O, h)) : ConstRef<T>(s.O), s.lse,
-                         slice(dO, h), rule, path, BackwardTiles{}, s.head, bound,
-                         dparams ? &dparams_heads[static_cast<std::size_t>(h)] : nullptr);
       slice(grads.dQ, h) = s.head.dQ;
       const bool first = h == kv * group;
       if (first) {

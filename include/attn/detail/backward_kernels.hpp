@@ -610,9 +610,27 @@ struct BlockMasked : V {
   }
 };
 
-/// The forward on `path` (its output and log-sum-exp kept), then the backward on the same path.
-/// With a variant that masks but does not classify tiles, the mask is classified once for both,
-/// into a `BlockMask`.
+/// Calls `body(variant)`, or, for a variant that masks but does not classify tiles, `body` with the
+/// same variant whose tiles are read from a `BlockMask` of the n queries and m keys of `rule`,
+/// classified once for everything `body` runs (a forward and its backward).
+template <class T, class Variant, class Body>
+void with_block_mask(const ScoreRule<T>& rule, Index n, Index m,
+                     const BoundVariant<Variant>& variant, Body&& body) {
+  if constexpr (variant_masks_v<Variant> && !variant_tiles_v<Variant> &&
+                !is_checked<Variant>::value) {
+    if (n > 0 && m > 0) {
+      const BlockMask blocks(variant, rule.q_position, n, rule.k_position, m);
+      const BlockMasked<Variant> masked(*variant.variant, blocks, variant);
+      body(BoundVariant<BlockMasked<Variant>>{&masked, variant.batch, variant.head,
+                                              variant.kv_head});
+      return;
+    }
+  }
+  body(variant);
+}
+
+/// The forward on `path` (its output and log-sum-exp kept), then the backward on the same path,
+/// both reading one block mask of a variant without tiles (`with_block_mask`).
 template <class T, class Variant = NoVariant>
 void forward_and_backward(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, ConstRef<T> dO,
                           const ScoreRule<T>& rule, Path path, const BackwardTiles& tiles,
@@ -620,20 +638,10 @@ void forward_and_backward(ConstRef<T> Q, ConstRef<T> K, ConstRef<T> V, ConstRef<
                           typename GradientOf<Variant>::type* dparams = nullptr) {
   Matrix<T> O(Q.rows(), V.cols());
   Vector<T> lse(Q.rows());
-  if constexpr (variant_masks_v<Variant> && !variant_tiles_v<Variant> &&
-                !is_checked<Variant>::value) {
-    if (Q.rows() > 0 && K.rows() > 0) {
-      const BlockMask blocks(variant, rule.q_position, Q.rows(), rule.k_position, K.rows());
-      const BlockMasked<Variant> masked(*variant.variant, blocks, variant);
-      const BoundVariant<BlockMasked<Variant>> bound{&masked, variant.batch, variant.head,
-                                                     variant.kv_head};
-      forward_for_backward<T>(Q, K, V, rule, path, O, lse, bound);
-      backward_kernel<T>(Q, K, V, O, lse, dO, rule, path, tiles, grads, bound, dparams);
-      return;
-    }
-  }
-  forward_for_backward<T>(Q, K, V, rule, path, O, lse, variant);
-  backward_kernel<T>(Q, K, V, O, lse, dO, rule, path, tiles, grads, variant, dparams);
+  with_block_mask<T>(rule, Q.rows(), K.rows(), variant, [&](const auto& bound) {
+    forward_for_backward<T>(Q, K, V, rule, path, O, lse, bound);
+    backward_kernel<T>(Q, K, V, O, lse, dO, rule, path, tiles, grads, bound, dparams);
+  });
 }
 
 }  // namespace detail
