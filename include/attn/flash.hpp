@@ -234,9 +234,7 @@ void flash_block(ConstRef<T> Q, const KBlock& K, const VBlock& V, const PackedKe
     if (rule.masked_out(i0, rows, j0, cols)) continue;
     TileKind kind = TileKind::Full;  // of the variant's mask
     if constexpr (variant_masks_v<Variant>) {
-      kind = classify_tile(*variant.variant,
-                           variant.tile(rule.q_position + i0, rule.q_position + i0 + rows,
-                                        rule.k_position + j0, rule.k_position + j0 + cols));
+      kind = classify_rule_tile(variant, rule, i0, rows, j0, cols);
       if (kind == TileKind::Empty) continue;
     }
 
@@ -444,9 +442,7 @@ void check_kernel_tiles(const ScoreRule<T>& rule, const FlashTiles& tiles,
       const KeyRange range = rule.keys(i0, rows);
       for (Index j0 = range.begin / w * w; j0 < range.end; j0 += tile_cols) {
         const Index cols = std::min(tile_cols, range.end - j0);
-        check_tile(*variant.variant,
-                   variant.tile(rule.q_position + i0, rule.q_position + i0 + rows,
-                                rule.k_position + j0, rule.k_position + j0 + cols));
+        check_tile(*variant.variant, rule_tile(variant, rule, i0, rows, j0, cols));
       }
     }
   } else {

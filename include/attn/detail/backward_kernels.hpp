@@ -121,23 +121,6 @@ struct PackedOperands {
   explicit operator bool() const { return K.panels != nullptr; }
 };
 
-/// The variant's classification of the tile of queries [i0, i0 + rows) x keys [j0, j0 + cols)
-/// (Full for a variant without a mask).
-template <class T, class Variant>
-TileKind kind_of_tile(const BackwardInputs<T, Variant>& in, Index i0, Index rows, Index j0,
-                      Index cols) {
-  if constexpr (variant_masks_v<Variant>) {
-    const ScoreRule<T>& rule = in.rule;
-    return classify_tile(*in.variant.variant,
-                         in.variant.tile(rule.q_position + i0, rule.q_position + i0 + rows,
-                                         rule.k_position + j0, rule.k_position + j0 + cols));
-  } else {
-    static_cast<void>(in), static_cast<void>(i0), static_cast<void>(rows);
-    static_cast<void>(j0), static_cast<void>(cols);
-    return TileKind::Full;
-  }
-}
-
 /// One tile step: for queries [i0, i0 + rows) and keys [j0, j0 + cols), the probabilities
 /// P_ij = exp(z_ij - lse_i) into `scratch.P` and the unscaled score gradient dS_ij (dZ_ij through
 /// the softcap) into `scratch.dS`, both rows x cols at the start of their rows (row strides
@@ -152,8 +135,8 @@ TileKind kind_of_tile(const BackwardInputs<T, Variant>& in, Index i0, Index rows
 ///   2. P = exp(z - lse_i) (exactly 0 where forbidden; a row with lse = -inf sees nothing: zeros).
 ///   3. dP = dO_i V_j^T; dZ = P o (dP - D_i), exactly 0 where P is 0 (no 0 * NaN);
 ///      dS = dZ o G o Gv, exactly 0 where dZ is.
-/// `kind` is the variant's tile classification of the tile (`kind_of_tile`; Full without a mask):
-/// the mask is evaluated entry by entry unless it is Full.
+/// `kind` is the variant's classification of the tile (`classify_rule_tile`; Full without a
+/// mask): the mask is evaluated entry by entry unless it is Full.
 template <class T, class Variant = NoVariant>
 void backward_tile(const BackwardInputs<T, Variant>& in, const PackedOperands<T>& packed, Index i0,
                    Index rows, Index j0, Index cols, TileKind kind, BackwardScratch<T>& scratch,
@@ -336,8 +319,9 @@ void materialised_backward(const BackwardInputs<T, Variant>& in, Matrix<T>& P, M
   parallel_for<BackwardScratch<T>>(blocks, rows_flops, [&](Index b, BackwardScratch<T>& s) {
     const Index i0 = b * block;
     const Index rows = std::min(block, n - i0);
-    backward_tile<T>(in, PackedOperands<T>{}, i0, rows, 0, m, kind_of_tile(in, i0, rows, 0, m), s,
-                     dbias, m, dparams.of(b));
+    backward_tile<T>(in, PackedOperands<T>{}, i0, rows, 0, m,
+                     classify_rule_tile(in.variant, in.rule, i0, rows, 0, m), s, dbias, m,
+                     dparams.of(b));
     P.middleRows(i0, rows) = s.P.topLeftCorner(rows, m);
     dS.middleRows(i0, rows) = s.dS.topLeftCorner(rows, m);
     grads.dQ.middleRows(i0, rows).noalias() = (in.rule.scale * dS.middleRows(i0, rows)) * in.K;
@@ -406,7 +390,7 @@ void tiled_backward(const BackwardInputs<T, Variant>& in, T* packed_K, T* packed
     if (range.end <= j0 || range.begin >= j0 + cols || rule.masked_out(i0, rows, j0, cols)) {
       return TileKind::Empty;
     }
-    return kind_of_tile(in, i0, rows, j0, cols);
+    return classify_rule_tile(in.variant, in.rule, i0, rows, j0, cols);
   };
   // The five products of the backward: 2 n m (3 d_k + 2 d_v) flops.
   const double flops = 2.0 * double(n) * double(m) * double(3 * d_k + 2 * d_v);

@@ -24,6 +24,29 @@ void variant_scores(const BoundVariant<Variant>& variant, const ScoreRule<T>& ru
   }
 }
 
+/// The tile of the rule's queries [i0, i0 + rows) x key columns [j0, j0 + cols), at their
+/// positions, as the variant sees it.
+template <class T, class Variant>
+TileAt rule_tile(const BoundVariant<Variant>& variant, const ScoreRule<T>& rule, Index i0,
+                 Index rows, Index j0, Index cols) {
+  return variant.tile(rule.q_position + i0, rule.q_position + i0 + rows, rule.k_position + j0,
+                      rule.k_position + j0 + cols);
+}
+
+/// The variant's kind of the rule's tile [i0, i0 + rows) x [j0, j0 + cols) (`classify_tile`;
+/// Full for a variant without a mask).
+template <class T, class Variant>
+TileKind classify_rule_tile(const BoundVariant<Variant>& variant, const ScoreRule<T>& rule,
+                            Index i0, Index rows, Index j0, Index cols) {
+  if constexpr (variant_masks_v<Variant>) {
+    return classify_tile(*variant.variant, rule_tile(variant, rule, i0, rows, j0, cols));
+  } else {
+    static_cast<void>(variant), static_cast<void>(rule), static_cast<void>(i0);
+    static_cast<void>(rows), static_cast<void>(j0), static_cast<void>(cols);
+    return TileKind::Full;
+  }
+}
+
 /// The key columns [begin, end) of `range` that some row of [i0, i0 + rows) may see by the
 /// variant's ranges of keys (their hull), or `range` itself when the variant gives none: the tiles
 /// outside are never visited.
