@@ -58,6 +58,16 @@ inline void add_context() {
   benchmark::AddCustomContext("attn_threads", std::to_string(attn::num_threads()));
 }
 
+/// The `main` of a Google Benchmark program: flags, the context above, every case selected.
+inline int run_benchmarks(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  add_context();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
+
 /// The naive baseline: S = scale * Q K^T by three plain loops.
 template <class T>
 void naive_scores(const Eigen::Ref<const attn::Matrix<T>>& Q,

@@ -164,11 +164,4 @@ BENCHMARK_TEMPLATE(BM_ProjectionEigen, float)->Apply(layer_shapes);
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  attn_bench::add_context();
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return attn_bench::run_benchmarks(argc, argv); }

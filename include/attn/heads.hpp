@@ -105,14 +105,15 @@ ScoreRule<T> head_rule(const ScoreRule<T>& shared, const HeadOptions<T>& per_hea
   return rule;
 }
 
-/// Checks (heads, n, d), (kv_heads, m, d), (kv_heads, m, d_v) head tensors and the options.
+/// Checks (heads, n, d), (kv_heads, m, d), (kv_heads, m, d_v) head tensors: heads a multiple of
+/// kv_heads, K and V alike in heads and tokens, d_k >= 1 and the same in Q and K. `tokens` names
+/// the middle axis in the message.
 template <class T, class S>
-void check_heads(const char* function, const Tensor3<T>& Q, const Tensor3<S>& K,
-                 const Tensor3<S>& V, const AttentionOptions<T>& options,
-                 const HeadOptions<T>& per_head) {
+void check_head_shapes(const char* function, const Tensor3<T>& Q, const Tensor3<S>& K,
+                       const Tensor3<S>& V, const char* tokens = "tokens") {
   const auto mismatch = [&](const char* what) {
     fail(function, what, " (Q is ", dims_of(Q), ", K is ", dims_of(K), ", V is ", dims_of(V),
-         "; heads x tokens x features)");
+         "; heads x ", tokens, " x features)");
   };
   if (K.dimension(0) == 0 || Q.dimension(0) % K.dimension(0) != 0) {
     mismatch("the query heads must be a multiple of the key/value heads (at least 1)");
@@ -121,6 +122,14 @@ void check_heads(const char* function, const Tensor3<T>& Q, const Tensor3<S>& K,
   if (V.dimension(1) != K.dimension(1)) mismatch("K and V must have the same number of tokens");
   if (Q.dimension(2) == 0) mismatch("Q has 0 features: d_k must be at least 1");
   if (K.dimension(2) != Q.dimension(2)) mismatch("Q and K must have the same number of features");
+}
+
+/// Checks (heads, n, d), (kv_heads, m, d), (kv_heads, m, d_v) head tensors and the options.
+template <class T, class S>
+void check_heads(const char* function, const Tensor3<T>& Q, const Tensor3<S>& K,
+                 const Tensor3<S>& V, const AttentionOptions<T>& options,
+                 const HeadOptions<T>& per_head) {
+  check_head_shapes(function, Q, K, V);
   check_options(function, options, Q.dimension(1), K.dimension(1));
   check_head_options(function, options, per_head, Q.dimension(0), Q.dimension(1), K.dimension(1));
 }
@@ -471,6 +480,52 @@ void check_heads_backward(const char* function, const Tensor3<T>& Q, const Tenso
   }
 }
 
+/// The backward of key/value head kv's query heads h = kv group .. kv group + group - 1, in head
+/// order, each through `backward_kernel`: dK and dV (views of kv's rows) become the sum of the
+/// heads' in that order; `head_done(h, grads)` receives each head's own gradients (dQ, dbias,
+/// dsink) in that order. `forward(h, lse)` gives the forward's output of head h (and fills its
+/// log-sum-exp into lse), or nothing, and the forward runs again (`forward_for_backward`, on the backward's path, with the
+/// rule's block mask). `variant` is bound to each head (its `head` and `kv_head` set here);
+/// `dparams(h)` is where head h's parameter gradient goes (or null). Views: q(h), dO(h) n x d_k and
+/// n x d_v; k, v m x d_k and m x d_v.
+template <class T, class Variant, class QOf, class DOOf, class RuleOf, class ForwardOf, class Done,
+          class ParamsOf>
+void group_backward(Index kv, Index group, ConstRef<T> k, ConstRef<T> v, const QOf& q,
+                    const DOOf& dO, const RuleOf& rule_of, const ForwardOf& forward,
+                    BoundVariant<Variant> variant, HeadsBackwardScratch<T>& s,
+                    Eigen::Ref<Matrix<T>> dK, Eigen::Ref<Matrix<T>> dV, const Done& head_done,
+                    const ParamsOf& dparams) {
+  const Index d_k = k.cols();
+  const Index d_v = v.cols();
+  for (Index h = kv * group; h < (kv + 1) * group; ++h) {
+    const ScoreRule<T> rule = rule_of(h);
+    const Path path = backward_path(rule, d_k, d_v);
+    const ConstRef<T> q_h = q(h);
+    const Index n = q_h.rows();
+    variant.head = h;
+    variant.kv_head = kv;
+    if (const std::optional<ConstRef<T>> O = forward(h, s.lse)) {
+      backward_kernel<T>(q_h, k, v, *O, s.lse, dO(h), rule, path, BackwardTiles{}, s.head, variant,
+                         dparams(h));
+    } else {
+      s.O.resize(n, d_v);
+      with_block_mask<T>(rule, n, k.rows(), variant, [&](const auto& b) {
+        forward_for_backward<T>(q_h, k, v, rule, path, s.O, s.lse, b);
+        backward_kernel<T>(q_h, k, v, s.O, s.lse, dO(h), rule, path, BackwardTiles{}, s.head, b,
+                           dparams(h));
+      });
+    }
+    if (h == kv * group) {
+      dK = s.head.dK;
+      dV = s.head.dV;
+    } else {
+      dK += s.head.dK;
+      dV += s.head.dV;
+    }
+    head_done(h, s.head);
+  }
+}
+
 /// The backward of query heads over their key/value heads by the rule `shared` with each head's
 /// values from `per_head`; the forward's output O and log-sum-exp when given, else the forward
 /// runs again per head (`forward_for_backward`, on the backward's path). Shape contract as
@@ -514,48 +569,32 @@ void heads_backward_kernel(const Tensor3<T>& Q, const Tensor3<T>& K, const Tenso
 
   // 1. Each key/value head over its query heads, in head order.
   tasks_or_kernels<HeadsBackwardScratch<T>>(kv_heads, [&](Index kv, HeadsBackwardScratch<T>& s) {
-    const ConstRef<T> k = slice(K, kv);
-    const ConstRef<T> v = slice(V, kv);
-    Eigen::Map<Matrix<T>> dK = slice(grads.dK, kv);
-    Eigen::Map<Matrix<T>> dV = slice(grads.dV, kv);
-    for (Index h = kv * group; h < (kv + 1) * group; ++h) {
-      const ScoreRule<T> rule = per_head.any() ? head_rule(shared, per_head, h) : shared;
-      const Path path = backward_path(rule, d_k, d_v);
-      const ConstRef<T> q = slice(Q, h);
-      const BoundVariant<Variant> bound{variant, 0, h, kv};
-      Gradient* dparams_h = dparams ? &dparams_heads[static_cast<std::size_t>(h)] : nullptr;
-      if (O) {
-        s.lse = lse->row(h).transpose();
-        backward_kernel<T>(q, k, v, ConstRef<T>(slice(*O, h)), s.lse, slice(dO, h), rule, path,
-                           BackwardTiles{}, s.head, bound, dparams_h);
-      } else {
-        s.O.resize(n, d_v);
-        with_block_mask<T>(rule, n, m, bound, [&](const auto& b) {
-          forward_for_backward<T>(q, k, v, rule, path, s.O, s.lse, b);
-          backward_kernel<T>(q, k, v, s.O, s.lse, slice(dO, h), rule, path, BackwardTiles{}, s.head,
-                             b, dparams_h);
+    Matrix<T>* dbias_part = shared.bias ? &dbias_parts[static_cast<std::size_t>(kv)] : nullptr;
+    group_backward<T>(
+        kv, group, slice(K, kv), slice(V, kv), [&](Index h) -> ConstRef<T> { return slice(Q, h); },
+        [&](Index h) -> ConstRef<T> { return slice(dO, h); },
+        [&](Index h) { return per_head.any() ? head_rule(shared, per_head, h) : shared; },
+        [&](Index h, Vector<T>& lse_h) -> std::optional<ConstRef<T>> {
+          if (!O) return std::nullopt;
+          lse_h = lse->row(h).transpose();
+          return ConstRef<T>(slice(*O, h));
+        },
+        BoundVariant<Variant>{variant, 0, 0, 0}, s, slice(grads.dK, kv), slice(grads.dV, kv),
+        [&](Index h, const AttentionGrads<T>& head) {
+          slice(grads.dQ, h) = head.dQ;
+          if (per_head.biases) slice(grads.dbiases, h) = head.dbias;
+          if (dbias_part) {
+            if (h == kv * group) {
+              *dbias_part = head.dbias;
+            } else {
+              *dbias_part += head.dbias;
+            }
+          }
+          dsink_heads[static_cast<std::size_t>(h)] = head.dsink;
+        },
+        [&](Index h) -> Gradient* {
+          return dparams ? &dparams_heads[static_cast<std::size_t>(h)] : nullptr;
         });
-      }
-      slice(grads.dQ, h) = s.head.dQ;
-      const bool first = h == kv * group;
-      if (first) {
-        dK = s.head.dK;
-        dV = s.head.dV;
-      } else {
-        dK += s.head.dK;
-        dV += s.head.dV;
-      }
-      if (per_head.biases) slice(grads.dbiases, h) = s.head.dbias;
-      if (shared.bias) {
-        Matrix<T>& part = dbias_parts[static_cast<std::size_t>(kv)];
-        if (first) {
-          part = s.head.dbias;
-        } else {
-          part += s.head.dbias;
-        }
-      }
-      dsink_heads[static_cast<std::size_t>(h)] = s.head.dsink;
-    }
   });
 
   // 2. The shared values' gradients, in a fixed order.
