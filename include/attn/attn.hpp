@@ -62,6 +62,7 @@
 #include "kv_store.hpp"
 #include "mask.hpp"
 #include "multi_head.hpp"
+#include "paged_kv_cache.hpp"
 #include "positional.hpp"
 #include "projection.hpp"
 #include "scores.hpp"
@@ -71,4 +72,5 @@
 #include "threads.hpp"
 #include "types.hpp"
 #include "variant.hpp"
+#include "varlen.hpp"
 #include "version.hpp"

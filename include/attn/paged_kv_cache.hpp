@@ -1,0 +1,557 @@
+#pragma once
+/// \file paged_kv_cache.hpp
+/// `PagedKVCache`: the keys and values of many sequences in one pool of fixed-size pages (vLLM's
+/// PagedAttention, Kwon et al. 2023; FlashInfer's page table), so that no sequence reserves more
+/// than its last page, sequences forked from one another share their pages (copy on write), and a
+/// sliding window returns the pages that fall out of it. The storage part: attention over it is
+/// computed by the callers of its pages.
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <new>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+#include "detail/checked.hpp"
+#include "detail/stored.hpp"
+#include "error.hpp"
+#include "kv_cache.hpp"
+#include "rope.hpp"
+#include "types.hpp"
+
+namespace attn {
+
+/// The shape and behaviour of a `PagedKVCache`: a `KVCacheConfig` (widths, key/value heads,
+/// window, pinned tokens, RoPE, storage format, with the same meanings) and the pool's pages.
+/// With a window, pages that no future query can see return to the pool.
+template <class T>
+struct PagedKVCacheConfig : KVCacheConfig<T> {
+  Index page_size = 16;  ///< tokens per page, >= 1
+  Index pages = 0;       ///< pages in the pool, >= 1: the capacity, fixed at construction
+};
+
+/// A page table in FlashInfer's CSR form: sequence b's pages are the entries of `indices` from
+/// `indptr[b]` up to (not including) `indptr[b + 1]`, in position order, and its last page holds
+/// `last_page_len[b]` tokens (1 to page_size; 0 for a sequence without pages).
+struct CsrPageTable {
+  std::vector<int> indptr;         ///< batch + 1 offsets into `indices`
+  std::vector<int> indices;        ///< physical page numbers
+  std::vector<int> last_page_len;  ///< tokens in each sequence's last page
+};
+
+/// A page table in vLLM's form: row b of `block_tables` lists sequence b's pages in position order
+/// (padded with -1 to the longest), `seq_lens[b]` its tokens. Token p of sequence b is in slot
+/// `block_tables(b, p / page_size) * page_size + p % page_size` of the pool.
+struct BlockTable {
+  /// batch x (the most pages of a sequence): page numbers, -1 past a sequence's last page
+  Eigen::Matrix<int, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> block_tables;
+  std::vector<int> seq_lens;  ///< tokens per sequence
+};
+
+/// Keys and values of many sequences in one pool of pages.
+///
+/// Storage: the pool holds `pages` pages; page p keeps, for each key/value head, `page_size` key
+/// rows and `page_size` value rows, each contiguous (vLLM's `[pages, kv_heads, page_size, d]`), in
+/// the configured `KVStorage` format. Each sequence has a page table: its logical page i (tokens
+/// [i page_size, (i + 1) page_size)) lives in physical page `pages(id)[i]`. A page may belong to
+/// several sequences (after `fork`); it returns to the pool when the last one lets it go.
+///
+/// Positions: each sequence counts its own tokens (`length(id)`); row r of an append of r_new rows
+/// is at position `length(id) + r`.
+///
+/// Every operation checks everything before it changes anything: a bad argument or a pool too
+/// small for an append throws `shape_error` and leaves every sequence as it was.
+template <class T>
+class PagedKVCache {
+ public:
+  /// A sequence's name, given by `add_sequence` and `fork`; never reused.
+  using SequenceId = Index;
+
+  /// An empty cache with its pool of `config.pages` pages allocated.
+  /// \param config  widths, head count, page size, pool size, window, pinned tokens, RoPE, storage
+  /// \throws shape_error on a non-positive width, head count, page size or page count, a negative
+  ///         window or pinned count, invalid rope options, or a pool that cannot be allocated.
+  explicit PagedKVCache(const PagedKVCacheConfig<T>& config)
+      : config_(checked(config)),
+        keys_(allocate(config_.d_k)),
+        values_(allocate(config_.d_v)),
+        references_(static_cast<std::size_t>(config_.pages), 0) {
+    free_.reserve(static_cast<std::size_t>(config_.pages));
+    for (Index p = config_.pages; p-- > 0;) free_.push_back(static_cast<int>(p));  // 0 first
+    if (config_.rope) rope_table_ = detail::rope_table(function, config_.d_k, config_.rope_options);
+  }
+
+  /// The configuration, with `pinned_tokens` as the cache applies it (0 without a window).
+  /// \returns the configuration
+  const PagedKVCacheConfig<T>& config() const { return config_; }
+
+  /// A new, empty sequence.
+  /// \returns its id
+  SequenceId add_sequence() {
+    const SequenceId id = next_id_++;
+    sequences_.emplace(id, Sequence{});
+    return id;
+  }
+
+  /// A new sequence with the parent's tokens: it shares every page of the parent (a shared page
+  /// that one of them appends into is copied first: copy on write). O(pages of the parent).
+  /// \param parent  an existing sequence
+  /// \returns the new sequence's id
+  /// \throws shape_error if `parent` does not exist.
+  SequenceId fork(SequenceId parent) {
+    const Sequence copy = sequence("PagedKVCache::fork", parent);
+    for (const int p : copy.pages) {
+      if (p >= 0) ++references_[static_cast<std::size_t>(p)];
+    }
+    const SequenceId id = next_id_++;
+    sequences_.emplace(id, copy);
+    return id;
+  }
+
+  /// Removes a sequence: its pages that no other sequence holds return to the pool.
+  /// \param id  an existing sequence
+  /// \throws shape_error if `id` does not exist.
+  void remove(SequenceId id) {
+    Sequence& s = sequence("PagedKVCache::remove", id);
+    for (const int p : s.pages) {
+      if (p >= 0) release(p);
+    }
+    sequences_.erase(id);
+  }
+
+  /// Whether a sequence exists.
+  /// \param id  any id
+  /// \returns true between its `add_sequence` (or `fork`) and its `remove`
+  bool contains(SequenceId id) const { return sequences_.count(id) > 0; }
+  /// Sequences held.
+  /// \returns the count
+  Index sequences() const { return static_cast<Index>(sequences_.size()); }
+  /// Tokens appended to a sequence: the position of its next token.
+  /// \param id  an existing sequence
+  /// \returns the count
+  Index length(SequenceId id) const { return sequence("PagedKVCache::length", id).length; }
+
+  /// Pages in the pool.
+  /// \returns config().pages
+  Index pages() const { return config_.pages; }
+  /// Pages no sequence holds.
+  /// \returns the count
+  Index free_pages() const { return static_cast<Index>(free_.size()); }
+  /// Pages some sequence holds (a shared page counts once).
+  /// \returns pages() - free_pages()
+  Index pages_in_use() const { return pages() - free_pages(); }
+  /// The sequences holding a page.
+  /// \param page  0 to pages() - 1
+  /// \returns its reference count (0 when free)
+  Index references(int page) const {
+    require_page("PagedKVCache::references", page);
+    return references_[static_cast<std::size_t>(page)];
+  }
+  /// Bytes of one page: keys and values of every key/value head in the storage format, int8
+  /// scales included.
+  /// \returns the count
+  Index page_bytes() const { return (keys_.bytes() + values_.bytes()) / config_.pages; }
+  /// Bytes of the pool (allocated at construction).
+  /// \returns pages() page_bytes()
+  Index bytes() const { return keys_.bytes() + values_.bytes(); }
+  /// Bytes of the pages in use.
+  /// \returns pages_in_use() page_bytes()
+  Index bytes_in_use() const { return pages_in_use() * page_bytes(); }
+
+  /// Appends new tokens to one sequence.
+  /// \param id     an existing sequence
+  /// \param K_new  r x (kv_heads d_k): one row per new token, key heads side by side (unrotated
+  ///               when the cache applies RoPE)
+  /// \param V_new  r x (kv_heads d_v)
+  /// \throws shape_error on mismatched shapes, an unknown id, or too few free pages (the message
+  ///         gives the pages needed and free); nothing changes then.
+  template <class DK, class DV>
+  void append(SequenceId id, const Eigen::MatrixBase<DK>& K_new,
+              const Eigen::MatrixBase<DV>& V_new) {
+    const std::vector<int> offsets{0, static_cast<int>(K_new.rows())};
+    if (K_new.rows() > std::numeric_limits<int>::max()) {
+      detail::fail("PagedKVCache::append", "K_new has ", K_new.rows(), " rows: at most ",
+                   std::numeric_limits<int>::max(), " per call");
+    }
+    append(std::vector<SequenceId>{id}, offsets, K_new, V_new);
+  }
+
+  /// Appends new tokens to many sequences in one call: rows [cu_seqlens[b], cu_seqlens[b + 1])
+  /// of K_new and V_new go to sequence ids[b].
+  /// \param ids         distinct existing sequences
+  /// \param cu_seqlens  ids.size() + 1 offsets: 0, non-decreasing, the last K_new's rows
+  /// \param K_new       total x (kv_heads d_k), unrotated when the cache applies RoPE
+  /// \param V_new       total x (kv_heads d_v)
+  /// \throws shape_error on mismatched shapes or offsets, an unknown or repeated id, or too few
+  ///         free pages for the whole call; nothing changes then.
+  /// \note Pages are taken from the pool as tokens need them; a shared page (after `fork`) that
+  ///       receives tokens is copied first. With a window, after the append the pages whose every
+  ///       token is older than what the appended tokens' queries can see (and not pinned) leave the
+  ///       sequence, and return to the pool when no other sequence holds them.
+  template <class DK, class DV>
+  void append(const std::vector<SequenceId>& ids, const std::vector<int>& cu_seqlens,
+              const Eigen::MatrixBase<DK>& K_new, const Eigen::MatrixBase<DV>& V_new) {
+    static_assert(std::is_same_v<typename DK::Scalar, T> && std::is_same_v<typename DV::Scalar, T>,
+                  "K_new and V_new must have the cache's scalar type");
+    const char* where = "PagedKVCache::append";
+    if (K_new.cols() != config_.kv_heads * config_.d_k ||
+        V_new.cols() != config_.kv_heads * config_.d_v || V_new.rows() != K_new.rows()) {
+      detail::fail(where, "K_new is ", detail::shape_of(K_new), " and V_new is ",
+                   detail::shape_of(V_new), " but the cache needs r x ",
+                   config_.kv_heads * config_.d_k, " and r x ", config_.kv_heads * config_.d_v);
+    }
+    check_offsets(where, ids, cu_seqlens, K_new.rows());
+    // 1. Check every sequence and count the pages the call takes, before any change. A shared
+    //    last page is copied by each sequence that appends into it but the last one holding it.
+    Index needed = 0;
+    std::unordered_map<int, Index> copies;  // shared page -> copies the call makes of it
+    for (std::size_t b = 0; b < ids.size(); ++b) {
+      const Sequence& s = sequence(where, ids[b]);
+      for (std::size_t c = 0; c < b; ++c) {
+        if (ids[c] == ids[b]) detail::fail(where, "sequence ", ids[b], " is listed twice");
+      }
+      const Index r = cu_seqlens[b + 1] - cu_seqlens[b];
+      if (r == 0) continue;
+      detail::checked_add(where, s.length, r, "the positions of sequence", ids[b]);
+      needed += (s.length + r + config_.page_size - 1) / config_.page_size -
+                static_cast<Index>(s.pages.size());
+      if (s.length % config_.page_size != 0) {
+        const int last = s.pages.back();
+        if (references_[static_cast<std::size_t>(last)] - copies[last] > 1) {
+          ++copies[last];
+          ++needed;
+        }
+      }
+    }
+    if (needed > free_pages()) {
+      detail::fail(where, "the append needs ", needed, " free pages but the pool has ",
+                   free_pages(), " of ", pages(), " (page_size ", config_.page_size,
+                   "); nothing was appended");
+    }
+    // 2. Write (RoPE first), then let the window's old pages go.
+    Matrix<T> rotated;
+    for (std::size_t b = 0; b < ids.size(); ++b) {
+      const Index first = cu_seqlens[b];
+      const Index r = cu_seqlens[b + 1] - first;
+      if (r == 0) continue;
+      Sequence& s = sequences_.at(ids[b]);
+      if (config_.rope) {
+        rotated = K_new.middleRows(first, r);
+        detail::rope_kernel<T>(rotated, config_.d_k, s.length, *config_.rope, rope_table_);
+        write(s, rotated, V_new.middleRows(first, r));
+      } else {
+        write(s, K_new.middleRows(first, r), V_new.middleRows(first, r));
+      }
+      drop_old_pages(s, s.length - r);
+    }
+  }
+
+  /// A sequence's page table: its logical page i in physical page `pages(id)[i]`; -1 for a page a
+  /// window has let go.
+  /// \param id  an existing sequence
+  /// \returns ceil(length / page_size) entries
+  const std::vector<int>& page_table(SequenceId id) const {
+    return sequence("PagedKVCache::page_table", id).pages;
+  }
+
+  /// The positions of a sequence's kept tokens, in order: all of them without a window; with one,
+  /// those of its kept pages.
+  /// \param id  an existing sequence
+  /// \returns the positions
+  std::vector<Index> key_positions(SequenceId id) const {
+    const Sequence& s = sequence("PagedKVCache::key_positions", id);
+    std::vector<Index> out;
+    for (std::size_t i = 0; i < s.pages.size(); ++i) {
+      if (s.pages[i] < 0) continue;
+      const Index first = static_cast<Index>(i) * config_.page_size;
+      for (Index p = first; p < std::min(first + config_.page_size, s.length); ++p)
+        out.push_back(p);
+    }
+    return out;
+  }
+
+  /// A sequence's kept keys of one key/value head, widened to T, rows in `key_positions` order
+  /// (rotated with RoPE).
+  /// \param id       an existing sequence
+  /// \param kv_head  0 to kv_heads - 1
+  /// \returns kept x d_k
+  Matrix<T> keys(SequenceId id, Index kv_head = 0) const {
+    return gathered("PagedKVCache::keys", keys_, id, kv_head);
+  }
+  /// A sequence's kept values of one key/value head, widened to T.
+  /// \param id       an existing sequence
+  /// \param kv_head  0 to kv_heads - 1
+  /// \returns kept x d_v
+  Matrix<T> values(SequenceId id, Index kv_head = 0) const {
+    return gathered("PagedKVCache::values", values_, id, kv_head);
+  }
+
+  /// The page tables of `ids` in FlashInfer's CSR form (`paged_kv_indptr`, `paged_kv_indices`,
+  /// `paged_kv_last_page_len`).
+  /// \param ids  existing sequences none of whose pages a window has let go (FlashInfer's table
+  ///             starts at position 0)
+  /// \returns the table
+  /// \throws shape_error for an unknown id or a sequence whose window has let pages go.
+  CsrPageTable csr(const std::vector<SequenceId>& ids) const {
+    CsrPageTable table;
+    table.indptr.push_back(0);
+    for (const SequenceId id : ids) {
+      const Sequence& s = whole_sequence("PagedKVCache::csr", id);
+      table.indices.insert(table.indices.end(), s.pages.begin(), s.pages.end());
+      table.indptr.push_back(static_cast<int>(table.indices.size()));
+      table.last_page_len.push_back(
+          s.length == 0
+              ? 0
+              : static_cast<int>(s.length - (Index(s.pages.size()) - 1) * config_.page_size));
+    }
+    return table;
+  }
+
+  /// The page tables of `ids` in vLLM's form (`block_tables`, `seq_lens`).
+  /// \param ids  existing sequences none of whose pages a window has let go
+  /// \returns the table
+  /// \throws shape_error for an unknown id or a sequence whose window has let pages go.
+  BlockTable block_table(const std::vector<SequenceId>& ids) const {
+    std::size_t widest = 0;
+    for (const SequenceId id : ids) {
+      widest = std::max(widest, whole_sequence("PagedKVCache::block_table", id).pages.size());
+    }
+    BlockTable table;
+    table.block_tables.setConstant(static_cast<Index>(ids.size()), static_cast<Index>(widest), -1);
+    for (std::size_t b = 0; b < ids.size(); ++b) {
+      const Sequence& s = sequences_.at(ids[b]);
+      for (std::size_t i = 0; i < s.pages.size(); ++i) {
+        table.block_tables(static_cast<Index>(b), static_cast<Index>(i)) = s.pages[i];
+      }
+      table.seq_lens.push_back(static_cast<int>(s.length));
+    }
+    return table;
+  }
+
+  /// vLLM's slot mapping of tokens [first, first + count) of a sequence: token p in slot
+  /// `page * page_size + p % page_size` of the pool.
+  /// \param id     an existing sequence
+  /// \param first  the first position, >= 0
+  /// \param count  positions, with first + count <= length(id)
+  /// \returns count slots
+  /// \throws shape_error for an unknown id, positions outside the sequence or tokens a window
+  ///         has let go.
+  std::vector<Index> slot_mapping(SequenceId id, Index first, Index count) const {
+    const char* where = "PagedKVCache::slot_mapping";
+    const Sequence& s = sequence(where, id);
+    if (first < 0 || count < 0 || first > s.length || count > s.length - first) {
+      detail::fail(where, "positions ", first, " .. ", first + count - 1, " are not in sequence ",
+                   id, " (", s.length, " tokens)");
+    }
+    std::vector<Index> slots;
+    for (Index p = first; p < first + count; ++p) {
+      const int page = s.pages[static_cast<std::size_t>(p / config_.page_size)];
+      if (page < 0)
+        detail::fail(where, "position ", p, " of sequence ", id, " has left its window");
+      slots.push_back(Index(page) * config_.page_size + p % config_.page_size);
+    }
+    return slots;
+  }
+
+ private:
+  static constexpr const char* function = "PagedKVCache";
+
+  struct Sequence {
+    std::vector<int> pages;  ///< logical page -> physical page; -1 once a window let it go
+    Index length = 0;        ///< tokens appended
+    Index dropped = 0;       ///< pages a window has let go
+  };
+
+  static PagedKVCacheConfig<T> checked(PagedKVCacheConfig<T> config) {
+    static_assert(detail::is_supported_scalar_v<T>, "attn works on floating-point scalars");
+    detail::require_positive_size(function, "d_k", config.d_k);
+    detail::require_positive_size(function, "d_v", config.d_v);
+    detail::require_positive_size(function, "kv_heads", config.kv_heads);
+    detail::require_positive_size(function, "page_size", config.page_size);
+    detail::require_positive_size(function, "pages", config.pages);
+    if (config.pages > std::numeric_limits<int>::max()) {
+      detail::fail(function, "pages is ", config.pages, ": page numbers are int, at most ",
+                   std::numeric_limits<int>::max());
+    }
+    if (config.window && *config.window < 0) {
+      detail::fail(function, "window must be >= 0, got ", *config.window);
+    }
+    if (config.pinned_tokens < 0) {
+      detail::fail(function, "pinned_tokens must be >= 0, got ", config.pinned_tokens);
+    }
+    if (!config.window) config.pinned_tokens = 0;
+    return config;
+  }
+
+  detail::StoredRows<T> allocate(Index cols) const {
+    const Index rows = detail::checked_mul(
+        function, detail::checked_mul(function, config_.pages, config_.kv_heads, "the pool's rows"),
+        config_.page_size, "the pool's rows");
+    detail::checked_mul(function, detail::checked_mul(function, rows, cols, "the pool's size"),
+                        detail::element_bytes<T>(config_.storage), "the pool's bytes");
+    try {
+      return detail::StoredRows<T>(config_.storage, rows, cols);
+    } catch (const std::bad_alloc&) {
+      detail::fail(function, "cannot allocate ", config_.pages, " pages of ", config_.page_size,
+                   " tokens x ", config_.kv_heads, " heads x ", cols, " ",
+                   detail::storage_name(config_.storage), " values");
+    }
+  }
+
+  const Sequence& sequence(const char* where, SequenceId id) const {
+    const auto found = sequences_.find(id);
+    if (found == sequences_.end()) {
+      if (id >= 0 && id < next_id_) detail::fail(where, "sequence ", id, " was removed");
+      detail::fail(where, "there is no sequence ", id);
+    }
+    return found->second;
+  }
+  Sequence& sequence(const char* where, SequenceId id) {
+    return const_cast<Sequence&>(static_cast<const PagedKVCache&>(*this).sequence(where, id));
+  }
+  const Sequence& whole_sequence(const char* where, SequenceId id) const {
+    const Sequence& s = sequence(where, id);
+    if (s.dropped > 0) {
+      detail::fail(where, "sequence ", id, " has let ", s.dropped,
+                   " pages go (its window): the table would not start at position 0");
+    }
+    return s;
+  }
+
+  void require_page(const char* where, int page) const {
+    if (page < 0 || page >= config_.pages) {
+      detail::fail(where, "page ", page, " is not in the pool (0 .. ", config_.pages - 1, ")");
+    }
+  }
+  void require_head(const char* where, Index kv_head) const {
+    if (kv_head < 0 || kv_head >= config_.kv_heads) {
+      detail::fail(where, "kv_head must be in 0 .. ", config_.kv_heads - 1, ", got ", kv_head);
+    }
+  }
+
+  static void check_offsets(const char* where, const std::vector<SequenceId>& ids,
+                            const std::vector<int>& cu_seqlens, Index rows) {
+    if (cu_seqlens.size() != ids.size() + 1) {
+      detail::fail(where, "cu_seqlens has ", cu_seqlens.size(), " entries but there are ",
+                   ids.size(), " sequences: it needs ", ids.size() + 1);
+    }
+    if (cu_seqlens.front() != 0)
+      detail::fail(where, "cu_seqlens[0] is ", cu_seqlens.front(), ", not 0");
+    for (std::size_t i = 1; i < cu_seqlens.size(); ++i) {
+      if (cu_seqlens[i] < cu_seqlens[i - 1]) {
+        detail::fail(where, "cu_seqlens decreases: cu_seqlens[", i - 1, "] = ", cu_seqlens[i - 1],
+                     " but cu_seqlens[", i, "] = ", cu_seqlens[i]);
+      }
+    }
+    if (cu_seqlens.back() != rows) {
+      detail::fail(where, "cu_seqlens ends at ", cu_seqlens.back(), " but K_new has ", rows,
+                   " rows");
+    }
+  }
+
+  int take_page() {
+    const int page = free_.back();
+    free_.pop_back();
+    references_[static_cast<std::size_t>(page)] = 1;
+    return page;
+  }
+
+  void release(int page) {
+    Index& count = references_[static_cast<std::size_t>(page)];
+    if (--count == 0) free_.push_back(page);
+  }
+
+  /// Row of (page, head, slot) in the pool.
+  Index row(int page, Index head, Index slot) const {
+    return (Index(page) * config_.kv_heads + head) * config_.page_size + slot;
+  }
+
+  /// Copies the first `slots` tokens of a page (every head) into another page, as stored.
+  void copy_page(int from, int to, Index slots) {
+    for (Index h = 0; h < config_.kv_heads; ++h) {
+      for (Index j = 0; j < slots; ++j) {
+        keys_.copy_row(row(to, h, j), keys_, row(from, h, j));
+        values_.copy_row(row(to, h, j), values_, row(from, h, j));
+      }
+    }
+  }
+
+  /// Stores r rows at the sequence's next positions (the pool has the pages: checked before).
+  void write(Sequence& s, const detail::ConstRef<T>& K, const detail::ConstRef<T>& V) {
+    const Index P = config_.page_size;
+    if (s.length % P != 0 && references_[static_cast<std::size_t>(s.pages.back())] > 1) {
+      const int shared = s.pages.back();
+      const int own = take_page();
+      copy_page(shared, own, s.length % P);
+      release(shared);
+      s.pages.back() = own;
+    }
+    for (Index i = 0; i < K.rows(); ++i) {
+      const Index p = s.length + i;
+      if (p % P == 0) s.pages.push_back(take_page());
+      const int page = s.pages.back();
+      for (Index h = 0; h < config_.kv_heads; ++h) {
+        keys_.put(row(page, h, p % P), K.data() + i * K.outerStride() + h * config_.d_k);
+        values_.put(row(page, h, p % P), V.data() + i * V.outerStride() + h * config_.d_v);
+      }
+    }
+    s.length += K.rows();
+  }
+
+  /// With a window: the pages whose every token is before `first_query - window` (what the
+  /// queries from position `first_query` on can see) and after the pinned tokens leave the
+  /// sequence.
+  void drop_old_pages(Sequence& s, Index first_query) {
+    if (!config_.window) return;
+    const Index oldest = detail::saturating_sub(first_query, *config_.window);
+    const Index P = config_.page_size;
+    const Index pinned_pages = (config_.pinned_tokens + P - 1) / P;
+    for (Index i = pinned_pages; i < static_cast<Index>(s.pages.size()); ++i) {
+      if ((i + 1) * P > oldest) break;  // page i holds a token at or after `oldest`
+      int& page = s.pages[static_cast<std::size_t>(i)];
+      if (page < 0) continue;
+      release(page);
+      page = -1;
+      ++s.dropped;
+    }
+  }
+
+  Matrix<T> gathered(const char* where, const detail::StoredRows<T>& pool, SequenceId id,
+                     Index kv_head) const {
+    require_head(where, kv_head);
+    const Sequence& s = sequence(where, id);
+    const Index P = config_.page_size;
+    Matrix<T> out(static_cast<Index>(key_positions(id).size()), pool.cols());
+    Index r = 0;
+    Matrix<T> rows;
+    detail::with_codec<T>(config_.storage, [&](auto codec) {
+      using Codec = decltype(codec);
+      for (std::size_t i = 0; i < s.pages.size(); ++i) {
+        if (s.pages[i] < 0) continue;
+        const Index count = std::min(P, s.length - static_cast<Index>(i) * P);
+        const Index first = row(s.pages[i], kv_head, 0);
+        if constexpr (std::is_same_v<Codec, detail::SameCodec<T>>) {
+          out.middleRows(r, count) = pool.same().middleRows(first, count);
+        } else {
+          pool.template block<Codec>(first, count).widen_into(rows);
+          out.middleRows(r, count) = rows;
+        }
+        r += count;
+      }
+    });
+    return out;
+  }
+
+  PagedKVCacheConfig<T> config_;
+  detail::StoredRows<T> keys_;     ///< pages x kv_heads x page_size rows of d_k
+  detail::StoredRows<T> values_;   ///< pages x kv_heads x page_size rows of d_v
+  std::vector<Index> references_;  ///< per page: the sequences holding it
+  std::vector<int> free_;          ///< free pages, the next one taken last
+  std::unordered_map<SequenceId, Sequence> sequences_;
+  SequenceId next_id_ = 0;
+  detail::RopeTable rope_table_;
+};
+
+}  // namespace attn

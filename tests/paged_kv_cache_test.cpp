@@ -1,0 +1,298 @@
+/// paged_kv_cache.hpp: a sequence's kept rows against a `KVCache` fed the same rows (bits, every
+/// storage format, RoPE), appends to many sequences in one call, fork and copy on write (the
+/// parent's rows unchanged after the child appends), removal, window eviction with pinned tokens,
+/// an exhausted pool leaving everything as it was, the exported page tables, bad input.
+
+#include <gtest/gtest.h>
+
+#include <attn/kv_cache.hpp>
+#include <attn/paged_kv_cache.hpp>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "test_support.hpp"
+
+namespace paged_kv_cache_test {
+
+using attn::Index;
+using attn::Matrix;
+using attn::PagedKVCache;
+using attn::PagedKVCacheConfig;
+using attn_test::expect_shape_error;
+using attn_test::random_matrix;
+
+constexpr Index kHeads = 2;
+constexpr Index kDim = 8;
+
+PagedKVCacheConfig<float> config(Index page_size, Index pages,
+                                 attn::KVStorage storage = attn::KVStorage::Same) {
+  PagedKVCacheConfig<float> c;
+  c.d_k = c.d_v = kDim;
+  c.kv_heads = kHeads;
+  c.page_size = page_size;
+  c.pages = pages;
+  c.storage = storage;
+  return c;
+}
+
+::testing::AssertionResult same_bits(const Matrix<float>& a, const Matrix<float>& b) {
+  if (a.rows() != b.rows() || a.cols() != b.cols()) {
+    return ::testing::AssertionFailure()
+           << a.rows() << "x" << a.cols() << " vs " << b.rows() << "x" << b.cols();
+  }
+  if (a.size() && std::memcmp(a.data(), b.data(), sizeof(float) * std::size_t(a.size())) != 0) {
+    return ::testing::AssertionFailure() << "the bits differ";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+/// Rows of K and V for `rows` tokens.
+struct Rows {
+  Matrix<float> K, V;
+  Rows(Index rows, std::mt19937& rng)
+      : K(random_matrix<float>(rows, kHeads * kDim, rng)),
+        V(random_matrix<float>(rows, kHeads * kDim, rng)) {}
+};
+
+/// Every kept key and value of `id` against `cache`'s, bit for bit, and the positions.
+void expect_same_rows(const PagedKVCache<float>& paged, PagedKVCache<float>::SequenceId id,
+                      const attn::KVCache<float>& cache) {
+  EXPECT_EQ(paged.key_positions(id), cache.key_positions());
+  EXPECT_EQ(paged.length(id), cache.position());
+  for (Index h = 0; h < kHeads; ++h) {
+    EXPECT_TRUE(same_bits(paged.keys(id, h), cache.keys(h))) << "keys of head " << h;
+    EXPECT_TRUE(same_bits(paged.values(id, h), cache.values(h))) << "values of head " << h;
+  }
+}
+
+TEST(PagedKVCache, SequencesHoldWhatAKVCacheHolds) {
+  for (const attn::KVStorage storage : {attn::KVStorage::Same, attn::KVStorage::Float16,
+                                        attn::KVStorage::BFloat16, attn::KVStorage::Int8}) {
+    PagedKVCacheConfig<float> c = config(4, 64, storage);
+    c.rope = attn::RopeStyle::Half;
+    PagedKVCache<float> paged(c);
+    attn::KVCacheConfig<float> cc;
+    cc.d_k = cc.d_v = kDim;
+    cc.kv_heads = kHeads;
+    cc.rope = attn::RopeStyle::Half;
+    cc.storage = storage;
+    std::vector<attn::KVCache<float>> caches(3, attn::KVCache<float>(cc));
+    const std::vector<Index> ids{paged.add_sequence(), paged.add_sequence(), paged.add_sequence()};
+    std::mt19937 rng(1);
+    // Appends of 0 .. 6 rows, one sequence at a time and then several in one call.
+    for (int step = 0; step < 12; ++step) {
+      const std::vector<int> lengths{step % 7, (3 * step) % 5, step == 0 ? 9 : 1};
+      const std::vector<int> offsets{0, lengths[0], lengths[0] + lengths[1],
+                                     lengths[0] + lengths[1] + lengths[2]};
+      const Rows x(offsets.back(), rng);
+      if (step % 2 == 0) {
+        paged.append(ids, offsets, x.K, x.V);
+      } else {
+        for (std::size_t b = 0; b < 3; ++b) {
+          paged.append(ids[b], x.K.middleRows(offsets[b], lengths[b]),
+                       x.V.middleRows(offsets[b], lengths[b]));
+        }
+      }
+      for (std::size_t b = 0; b < 3; ++b) {
+        caches[b].append(x.K.middleRows(offsets[b], lengths[b]),
+                         x.V.middleRows(offsets[b], lengths[b]));
+      }
+    }
+    Index pages = 0;
+    for (std::size_t b = 0; b < 3; ++b) {
+      SCOPED_TRACE(int(storage));
+      expect_same_rows(paged, ids[b], caches[b]);
+      pages += (paged.length(ids[b]) + 3) / 4;
+      EXPECT_EQ(Index(paged.page_table(ids[b]).size()), (paged.length(ids[b]) + 3) / 4);
+    }
+    EXPECT_EQ(paged.pages_in_use(), pages);
+    EXPECT_EQ(paged.bytes_in_use(), pages * paged.page_bytes());
+    EXPECT_EQ(paged.page_bytes(),
+              attn::KVCache<float>::bytes_for(cc, 4));  // a page: 4 tokens of every head
+  }
+}
+
+TEST(PagedKVCache, AForkSharesPagesAndCopiesThePartialOneOnWrite) {
+  PagedKVCache<float> paged(config(16, 8));
+  std::mt19937 rng(2);
+  const Index parent = paged.add_sequence();
+  const Rows prompt(21, rng);  // one full page and 5 tokens of the next
+  paged.append(parent, prompt.K, prompt.V);
+  const Matrix<float> parent_keys = paged.keys(parent, 1);
+  const Matrix<float> parent_values = paged.values(parent, 0);
+
+  const Index child = paged.fork(parent);
+  EXPECT_EQ(paged.page_table(child), paged.page_table(parent));
+  EXPECT_EQ(paged.pages_in_use(), 2);
+  for (const int page : paged.page_table(parent)) EXPECT_EQ(paged.references(page), 2);
+
+  const Rows more(3, rng);
+  paged.append(child, more.K, more.V);  // into the shared partial page: copied first
+  EXPECT_EQ(paged.pages_in_use(), 3);
+  EXPECT_EQ(paged.page_table(child)[0], paged.page_table(parent)[0]);  // the full page: shared
+  EXPECT_NE(paged.page_table(child)[1], paged.page_table(parent)[1]);
+  EXPECT_EQ(paged.references(paged.page_table(parent)[1]), 1);
+  EXPECT_TRUE(same_bits(paged.keys(parent, 1), parent_keys));  // the parent's rows unchanged
+  EXPECT_TRUE(same_bits(paged.values(parent, 0), parent_values));
+  const Matrix<float> child_keys = paged.keys(child, 1);
+  EXPECT_TRUE(same_bits(child_keys.topRows(21), parent_keys));
+  EXPECT_TRUE(same_bits(child_keys.bottomRows(3), more.K.rightCols(kDim)));
+
+  // The parent now holds its partial page alone: it appends in place.
+  const Rows own(2, rng);
+  paged.append(parent, own.K, own.V);
+  EXPECT_EQ(paged.pages_in_use(), 3);
+  EXPECT_TRUE(same_bits(paged.keys(parent, 1).topRows(21), parent_keys));
+  EXPECT_TRUE(same_bits(paged.keys(child, 1), child_keys));
+
+  // Removing the parent keeps the page the child shares; removing the child frees everything.
+  paged.remove(parent);
+  EXPECT_EQ(paged.pages_in_use(), 2);
+  EXPECT_TRUE(same_bits(paged.keys(child, 1), child_keys));
+  paged.remove(child);
+  EXPECT_EQ(paged.pages_in_use(), 0);
+  EXPECT_EQ(paged.free_pages(), 8);
+}
+
+TEST(PagedKVCache, ParentAndChildAppendingInOneCallCopyOnce) {
+  // 3 pages: the shared partial page, and one copy of it for the first of the two that append.
+  PagedKVCache<float> paged(config(4, 3));
+  std::mt19937 rng(3);
+  const Index parent = paged.add_sequence();
+  const Rows prompt(6, rng);  // pages: one full, one with 2 tokens
+  paged.append(parent, prompt.K, prompt.V);
+  const Index child = paged.fork(parent);
+  const Rows x(2, rng);
+  paged.append({parent, child}, {0, 1, 2}, x.K, x.V);
+  EXPECT_EQ(paged.pages_in_use(), 3);
+  EXPECT_EQ(paged.length(parent), 7);
+  EXPECT_EQ(paged.length(child), 7);
+  EXPECT_TRUE(same_bits(paged.keys(parent, 0).bottomRows(1), x.K.topRows(1).leftCols(kDim)));
+  EXPECT_TRUE(same_bits(paged.keys(child, 0).bottomRows(1), x.K.bottomRows(1).leftCols(kDim)));
+}
+
+TEST(PagedKVCache, AWindowReturnsThePagesNoQueryCanSeeAndKeepsThePinnedOnes) {
+  PagedKVCacheConfig<float> c = config(4, 32);
+  c.window = 10;
+  c.pinned_tokens = 3;
+  PagedKVCache<float> paged(c);
+  std::mt19937 rng(4);
+  const Index id = paged.add_sequence();
+  const Index other = paged.add_sequence();  // without appends: its state must not move
+  Index length = 0;
+  for (const Index r : {5, 1, 7, 1, 1, 12, 1, 3, 1, 1}) {
+    const Rows x(r, rng);
+    paged.append(id, x.K, x.V);
+    length += r;
+    const Index oldest = std::max<Index>(length - r - 10, 0);  // what the new queries can see
+    // Kept: page 0 (pinned), and every page holding a position >= oldest; nothing else.
+    const std::vector<int>& table = paged.page_table(id);
+    Index kept = 0;
+    for (Index i = 0; i < Index(table.size()); ++i) {
+      const bool needed = i == 0 || (i + 1) * 4 > oldest;
+      EXPECT_EQ(table[std::size_t(i)] >= 0, needed) << "page " << i << " at length " << length;
+      kept += needed;
+    }
+    EXPECT_EQ(paged.pages_in_use(), kept);
+    const std::vector<Index> positions = paged.key_positions(id);
+    for (Index p = 0; p < length; ++p) {
+      const bool visible = p < 3 || p >= oldest;
+      if (visible) {
+        EXPECT_TRUE(std::find(positions.begin(), positions.end(), p) != positions.end()) << p;
+      }
+    }
+  }
+  EXPECT_EQ(paged.length(other), 0);
+  expect_shape_error([&] { paged.csr({id}); }, {"PagedKVCache::csr", "window"});
+}
+
+TEST(PagedKVCache, AnExhaustedPoolLeavesEverySequenceAsItWas) {
+  PagedKVCache<float> paged(config(4, 4));
+  std::mt19937 rng(5);
+  const Index a = paged.add_sequence();
+  const Index b = paged.add_sequence();
+  const Rows first(6, rng);
+  paged.append(a, first.K, first.V);  // 2 pages
+  const Rows one(1, rng);
+  paged.append(b, one.K, one.V);  // 1 page: 1 left
+  const Matrix<float> a_keys = paged.keys(a, 0);
+  const std::vector<int> a_table = paged.page_table(a);
+  // a needs 1 more page for 3 rows (6 + 3 = 9 > 8), b 1 for 4 more: 2 > 1 free.
+  const Rows x(7, rng);
+  expect_shape_error(
+      [&] {
+        paged.append({a, b}, {0, 3, 7}, x.K, x.V);
+      },
+      {"PagedKVCache::append", "needs 2 free pages", "has 1 of 4"});
+  EXPECT_EQ(paged.length(a), 6);
+  EXPECT_EQ(paged.length(b), 1);
+  EXPECT_EQ(paged.page_table(a), a_table);
+  EXPECT_EQ(paged.free_pages(), 1);
+  EXPECT_TRUE(same_bits(paged.keys(a, 0), a_keys));
+  // What fits still goes in.
+  paged.append({a, b}, {0, 3, 5}, x.K.topRows(5), x.V.topRows(5));  // b: 3 tokens, 1 page
+  EXPECT_EQ(paged.free_pages(), 0);
+  // A fork takes no page until it writes into its shared partial page, which needs a copy.
+  const Index c = paged.fork(b);
+  expect_shape_error([&] { paged.append(c, one.K, one.V); }, {"needs 1 free pages"});
+  EXPECT_EQ(paged.length(c), 3);
+  EXPECT_EQ(paged.references(paged.page_table(b)[0]), 2);
+}
+
+TEST(PagedKVCache, ThePageTablesExportAsFlashInferAndVllmHaveThem) {
+  PagedKVCache<float> paged(config(4, 16));
+  std::mt19937 rng(6);
+  const Index a = paged.add_sequence();
+  const Index b = paged.add_sequence();
+  const Index empty = paged.add_sequence();
+  const Rows x(13, rng);
+  paged.append({a, b}, {0, 9, 13}, x.K, x.V);  // a: 9 tokens (3 pages), b: 4 (1 page)
+  const attn::CsrPageTable csr = paged.csr({a, b, empty});
+  EXPECT_EQ(csr.indptr, (std::vector<int>{0, 3, 4, 4}));
+  std::vector<int> indices = paged.page_table(a);
+  indices.push_back(paged.page_table(b)[0]);
+  EXPECT_EQ(csr.indices, indices);
+  EXPECT_EQ(csr.last_page_len, (std::vector<int>{1, 4, 0}));
+
+  const attn::BlockTable vllm = paged.block_table({a, b});
+  EXPECT_EQ(vllm.block_tables.rows(), 2);
+  EXPECT_EQ(vllm.block_tables.cols(), 3);
+  EXPECT_EQ(vllm.block_tables(1, 0), paged.page_table(b)[0]);
+  EXPECT_EQ(vllm.block_tables(1, 1), -1);
+  EXPECT_EQ(vllm.seq_lens, (std::vector<int>{9, 4}));
+
+  // Slot s of the pool is (page s / 4, offset s % 4): the slots of a's tokens are where its rows
+  // are, in the order of its page table.
+  const std::vector<Index> slots = paged.slot_mapping(a, 0, 9);
+  for (Index p = 0; p < 9; ++p) {
+    EXPECT_EQ(slots[std::size_t(p)] / 4, paged.page_table(a)[std::size_t(p / 4)]);
+    EXPECT_EQ(slots[std::size_t(p)] % 4, p % 4);
+  }
+  expect_shape_error([&] { paged.slot_mapping(a, 5, 5); }, {"slot_mapping", "positions 5 .. 9"});
+}
+
+TEST(PagedKVCache, BadInputIsAShapeErrorAndChangesNothing) {
+  expect_shape_error([] { PagedKVCache<float> p(config(0, 4)); }, {"PagedKVCache", "page_size"});
+  expect_shape_error([] { PagedKVCache<float> p(config(4, 0)); }, {"PagedKVCache", "pages"});
+  PagedKVCache<float> paged(config(4, 8));
+  std::mt19937 rng(7);
+  const Index a = paged.add_sequence();
+  const Rows x(4, rng);
+  expect_shape_error([&] { paged.append(a + 5, x.K, x.V); },
+                     {"PagedKVCache::append", "no sequence 5"});
+  const Index gone = paged.add_sequence();
+  paged.remove(gone);
+  expect_shape_error([&] { paged.append(gone, x.K, x.V); }, {"sequence 1 was removed"});
+  expect_shape_error([&] { paged.fork(gone); }, {"PagedKVCache::fork", "was removed"});
+  expect_shape_error([&] { paged.append({a, a}, {0, 2, 4}, x.K, x.V); }, {"listed twice"});
+  expect_shape_error([&] { paged.append({a}, {0, 3}, x.K, x.V); }, {"cu_seqlens ends at 3"});
+  expect_shape_error([&] { paged.append({a}, {1, 4}, x.K, x.V); }, {"cu_seqlens[0] is 1"});
+  expect_shape_error([&] { paged.append(a, x.K, x.V.leftCols(4)); }, {"V_new is 4 x 4"});
+  expect_shape_error([&] { paged.references(8); }, {"page 8 is not in the pool"});
+  expect_shape_error([&] { paged.keys(a, 2); }, {"kv_head must be in 0 .. 1"});
+  EXPECT_EQ(paged.length(a), 0);
+  EXPECT_EQ(paged.pages_in_use(), 0);
+}
+
+}  // namespace paged_kv_cache_test
