@@ -11,6 +11,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <vector>
 
 namespace attn_bench {
 
@@ -56,6 +57,25 @@ inline void add_context() {
                                                    std::to_string(EIGEN_MINOR_VERSION));
   benchmark::AddCustomContext("compiler", compiler_name());
   benchmark::AddCustomContext("attn_threads", std::to_string(attn::num_threads()));
+}
+
+/// The streaming baseline of the decoding benchmarks: the sum of a 512 MiB float buffer (larger
+/// than any cache they read) in `chunks` contiguous chunks over attn's threads; its
+/// `bytes_per_second` is what the machine streams at all.
+inline void stream_sum(benchmark::State& state, attn::Index chunks) {
+  const attn::Index floats = attn::Index(1) << 27;  // 512 MiB
+  attn::Matrix<float> buffer = attn::Matrix<float>::Constant(1, floats, 1.0f);
+  const attn::Index chunk = floats / chunks;
+  std::vector<double> partial(static_cast<std::size_t>(chunks));
+  for (auto _ : state) {
+    attn::detail::parallel_for<int>(chunks, [&](attn::Index c, int&) {
+      partial[static_cast<std::size_t>(c)] =
+          static_cast<double>(buffer.middleCols(c * chunk, chunk).sum());
+    });
+    benchmark::DoNotOptimize(partial.data());
+  }
+  state.SetBytesProcessed(state.iterations() * floats * static_cast<std::int64_t>(sizeof(float)));
+  state.counters["threads"] = attn::num_threads();
 }
 
 /// The `main` of a Google Benchmark program: flags, the context above, every case selected.

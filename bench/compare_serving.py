@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Issue 41's targets for many sequences at once, in one run: the packed prefill so far.
+"""Issue 41's targets for many sequences at once, in one run.
 
     python3 bench/compare_serving.py --build build
     python3 bench/compare_serving.py --build build --quick        (smoke test)
@@ -11,6 +11,14 @@ threads (the cases set the thread count themselves), in one process per round, -
 rounds, so that every ratio compares neighbours in time. Prints a markdown table with each case's
 median time and the two ratios the issue sets: the packed call on one thread within 1.1x of the
 per-sequence calls on one thread, and at least 1.8x faster on two threads than on one.
+Then, on two threads: BM_paged_decode (one decoding step of a batch in one `PagedKVCache::attend`
+call; 32 query heads over 8 key/value heads, d = 128, float16 storage) beside BM_kvcache_loop (the
+same step as one `KVCache::attend` per sequence over the same rows) and BM_stream_sum (what the
+machine streams), for 32 sequences of mixed lengths (128k tokens) and for 64 sequences of 64 .. 512
+tokens: the batched step's bandwidth for the bytes it reads as a share of the streamed one (target
+85%), and its speed over the loop (targets: never slower; 1.5x with the short sequences). And
+BM_cache_memory's counters: 64 sequences of 100 .. 8000 tokens in pages against the tokens' own
+bytes (target: within 2%) and against one KVCache each.
 
 Standard library only; run it with /usr/bin/python3.
 """
@@ -35,13 +43,38 @@ def main():
     varlen = "BM_varlen_prefill/threads:%d"
     loop = "BM_per_sequence_flash/threads:%d"
     names = [varlen % 1, loop % 1, varlen % 2, loop % 2]
+    paged = "BM_paged_decode/batch:%d/threads:2"
+    cached = "BM_kvcache_loop/batch:%d/threads:2"
+    stream = "BM_stream_sum/threads:2"
+    memory = "BM_cache_memory/iterations:1"
+    names += [paged % 0, cached % 0, paged % 1, cached % 1, stream, memory]
     log("%s: %d rounds of %s" % (script, args.repetitions, ", ".join(names)))
     rounds = Rounds(binary, names, args, script)
     median = rounds.median
 
     packed_over_loop = 1.0 / rounds.speedup(loop % 1, varlen % 1)
     two_over_one = rounds.speedup(varlen % 1, varlen % 2)
-    rows = [[n, "%.1f" % median(n), "%.1f" % (median(n, "FLOP/s") / 1e9)] for n in names]
+    rows = [[n, "%.1f" % median(n), "%.1f" % (median(n, "FLOP/s") / 1e9)] for n in names[:4]]
+    streamed = median(stream, "bytes_per_second")
+    decode_rows = []
+    targets = []
+    for batch, label, speed_target in ((0, "32 sequences, 128k tokens", 1.0),
+                                       (1, "64 sequences of 64 .. 512", 1.5)):
+        share = median(paged % batch, "bytes_per_second") / streamed
+        over_loop = rounds.speedup(cached % batch, paged % batch)
+        decode_rows.append([label, "%.1f" % (median(paged % batch) * 1e3),
+                            "%.1f" % (median(cached % batch) * 1e3),
+                            "%.2fx" % over_loop, "%.0f%%" % (100 * share)])
+        targets.append(("batched decode, %s: share of the streamed bandwidth >= 85%%" % label,
+                        "%.0f%%" % (100 * share), share >= 0.85))
+        targets.append(("batched decode, %s: over the loop of KVCache::attend >= %.1fx" %
+                        (label, speed_target), "%.2fx" % over_loop, over_loop >= speed_target))
+    paged_bytes = median(memory, "paged_bytes")
+    token_bytes = median(memory, "token_bytes")
+    kvcache_bytes = median(memory, "kvcache_bytes")
+    waste = paged_bytes / token_bytes - 1.0
+    targets.append(("memory: pages in use over the tokens' own bytes <= 1.02",
+                    "%.4f" % (paged_bytes / token_bytes), waste <= 0.02))
     version, flags, build_type = compiler_and_flags(args.build, "attn_serving_bench",
                                                     "serving_bench.cpp")
     print("Machine: %s" % machine_line())
@@ -51,6 +84,18 @@ def main():
     print()
     print("\n".join(markdown_table(["case", "ms", "GFLOP/s"], rows, right=(1, 2))))
     print()
+    print("Batched decoding step, two threads; streamed bandwidth %.1f GB/s (BM_stream_sum)" %
+          (streamed / 1e9))
+    print()
+    print("\n".join(markdown_table(["batch", "PagedKVCache::attend us", "KVCache::attend loop us",
+                                     "speed-up", "% of stream"], decode_rows,
+                                    right=(1, 2, 3, 4))))
+    print()
+    print("Memory, 64 sequences of 100 .. 8000 tokens (float16, 8 key/value heads, d = 128): "
+          "pages %.1f MiB, the tokens' own bytes %.1f MiB, one KVCache each %.1f MiB (%.2fx)" %
+          (paged_bytes / 2**20, token_bytes / 2**20, kvcache_bytes / 2**20,
+           kvcache_bytes / token_bytes))
+    print()
     print("| target | measured | |")
     print("|---|---:|---|")
     print("| packed prefill, one thread, over the per-sequence `flash_attention` calls <= %.1fx "
@@ -58,6 +103,8 @@ def main():
                               verdict(packed_over_loop <= PREFILL_WITHIN)))
     print("| packed prefill, two threads over one >= %.1fx | %.2fx | %s |" %
           (PREFILL_TWO_THREADS, two_over_one, verdict(two_over_one >= PREFILL_TWO_THREADS)))
+    for label, measured, ok in targets:
+        print("| %s | %s | %s |" % (label, measured, verdict(ok)))
 
 
 if __name__ == "__main__":

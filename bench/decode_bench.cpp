@@ -273,25 +273,9 @@ void BM_decode_documents(benchmark::State& state) {
   }
 }
 
-/// The streaming baseline: the sum of a 512 MiB float buffer (4x the 16k cache), in as many
-/// contiguous chunks as the cache has key/value heads, over attn's threads (the same split as a
-/// decoding step).
-void BM_stream_sum(benchmark::State& state) {
-  const Index floats = Index(1) << 27;  // 512 MiB
-  attn::Matrix<float> buffer = attn::Matrix<float>::Constant(1, floats, 1.0f);
-  const Index chunks = 2 * kv_heads;  // K and V of each head
-  const Index chunk = floats / chunks;
-  std::vector<double> partial(static_cast<std::size_t>(chunks));
-  for (auto _ : state) {
-    attn::detail::parallel_for<int>(chunks, [&](Index c, int&) {
-      partial[static_cast<std::size_t>(c)] =
-          static_cast<double>(buffer.middleCols(c * chunk, chunk).sum());
-    });
-    benchmark::DoNotOptimize(partial.data());
-  }
-  state.SetBytesProcessed(state.iterations() * floats * static_cast<std::int64_t>(sizeof(float)));
-  state.counters["threads"] = attn::num_threads();
-}
+/// The streaming baseline (`attn_bench::stream_sum`), in as many chunks as the cache has key and
+/// value rows per head (the same split as a decoding step).
+void BM_stream_sum(benchmark::State& state) { attn_bench::stream_sum(state, 2 * kv_heads); }
 
 /// The cache lengths of the decoding cases: 1k, 4k and 16k tokens, timed in microseconds.
 void cache_lengths(benchmark::internal::Benchmark* b) {

@@ -5,9 +5,17 @@
 // BM_varlen_prefill: `varlen_attention` over 16 sequences of 64 .. 4096 tokens (causal,
 // bottom-right; 8 query heads over 2 key/value heads, d = 64), on `threads` threads.
 // BM_per_sequence_flash: the same work as one `flash_attention` call per sequence and query head.
+// BM_paged_decode: one decoding step of a batch in one `PagedKVCache::attend` call (32 query heads
+// over 8 key/value heads, d = 128, float16 storage, pages of 16 tokens), its bytes_per_second the
+// keys and values it reads; BM_kvcache_loop: the same step as one `KVCache::attend` per sequence
+// over the same rows. batch:0 is 32 sequences of mixed lengths (128k tokens in all), batch:1 64
+// sequences of 64 .. 512 tokens. BM_stream_sum: what the machine streams at all.
+// BM_cache_memory: the bytes 64 sequences of 100 .. 8000 tokens take in pages and in one KVCache
+// each (counters; the time is the appends').
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -100,6 +108,155 @@ void BM_per_sequence_flash(benchmark::State& state) {
   attn::set_num_threads(0);
 }
 
+constexpr Index decode_heads = 32;
+constexpr Index decode_kv_heads = 8;
+constexpr Index decode_dim = 128;
+
+/// The decoding batches: 32 sequences of lengths drawn from 1 .. 8000 and scaled to 128k tokens in
+/// all (batch 0), or 64 sequences of 64 .. 512 tokens (batch 1); fixed seeds.
+std::vector<int> decode_lengths(Index batch) {
+  std::mt19937 rng(batch == 0 ? 7 : 8);
+  if (batch == 1) {
+    std::uniform_int_distribution<int> length(64, 512);
+    std::vector<int> lengths(64);
+    for (int& n : lengths) n = length(rng);
+    return lengths;
+  }
+  std::uniform_int_distribution<int> length(1, 8000);
+  std::vector<double> drawn(32);
+  for (double& n : drawn) n = length(rng);
+  const double sum = std::accumulate(drawn.begin(), drawn.end(), 0.0);
+  std::vector<int> lengths;
+  for (const double n : drawn) lengths.push_back(std::max(1, int(n * 131072.0 / sum)));
+  return lengths;
+}
+
+attn::KVCacheConfig<float> decode_config() {
+  attn::KVCacheConfig<float> config;
+  config.d_k = config.d_v = decode_dim;
+  config.kv_heads = decode_kv_heads;
+  config.storage = attn::KVStorage::Float16;
+  return config;
+}
+
+/// The same rows in a paged cache and in one KVCache per sequence.
+struct DecodeBatch {
+  std::vector<int> lengths;
+  attn::PagedKVCache<float> paged;
+  std::vector<attn::PagedKVCache<float>::SequenceId> ids;
+  std::vector<attn::KVCache<float>> caches;
+  attn::Matrix<float> q;  // one query per sequence
+  std::vector<int> offsets{0};
+  std::int64_t bytes = 0;  // the keys and values a step reads
+  static attn::PagedKVCacheConfig<float> paged_config(const std::vector<int>& lengths) {
+    attn::PagedKVCacheConfig<float> config;
+    static_cast<attn::KVCacheConfig<float>&>(config) = decode_config();
+    Index pages = 0;
+    for (const int n : lengths) pages += (n + 15) / 16;
+    config.pages = pages;
+    return config;
+  }
+  explicit DecodeBatch(Index batch) : lengths(decode_lengths(batch)), paged(paged_config(lengths)) {
+    std::uint32_t seed = 10;
+    for (const int n : lengths) {
+      const attn::Matrix<float> K =
+          attn_bench::random_matrix<float>(n, decode_kv_heads * decode_dim, seed++);
+      const attn::Matrix<float> V =
+          attn_bench::random_matrix<float>(n, decode_kv_heads * decode_dim, seed++);
+      ids.push_back(paged.add_sequence());
+      paged.append(ids.back(), K, V);
+      caches.emplace_back(decode_config());
+      caches.back().append(K, V);
+      offsets.push_back(offsets.back() + 1);
+      bytes += attn::KVCache<float>::bytes_for(decode_config(), n);
+    }
+    q = attn_bench::random_matrix<float>(Index(lengths.size()), decode_heads * decode_dim, 3);
+  }
+};
+
+const DecodeBatch& decode_batch(Index batch) {
+  static const DecodeBatch mixed(0);
+  static const DecodeBatch short_ones(1);
+  return batch == 0 ? mixed : short_ones;
+}
+
+void BM_paged_decode(benchmark::State& state) {
+  attn::set_num_threads(int(state.range(1)));
+  const DecodeBatch& x = decode_batch(state.range(0));
+  attn::Matrix<float> out(x.q.rows(), decode_heads * decode_dim);
+  for (auto _ : state) {
+    x.paged.attend(x.ids, x.offsets, x.q, attn::AttentionOptions<float>{}, {}, out);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * x.bytes);
+  state.counters["threads"] = attn::num_threads();
+  attn::set_num_threads(0);
+}
+
+void BM_kvcache_loop(benchmark::State& state) {
+  attn::set_num_threads(int(state.range(1)));
+  const DecodeBatch& x = decode_batch(state.range(0));
+  attn::Matrix<float> out(1, decode_heads * decode_dim);
+  for (auto _ : state) {
+    for (std::size_t b = 0; b < x.caches.size(); ++b) {
+      x.caches[b].attend(x.q.row(Index(b)), attn::AttentionOptions<float>{}, out);
+      benchmark::DoNotOptimize(out.data());
+    }
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * x.bytes);
+  state.counters["threads"] = attn::num_threads();
+  attn::set_num_threads(0);
+}
+
+void BM_stream_sum(benchmark::State& state) {
+  attn::set_num_threads(int(state.range(0)));
+  attn_bench::stream_sum(state, 2 * decode_kv_heads);
+  attn::set_num_threads(0);
+}
+
+/// 64 sequences of 100 .. 8000 tokens appended (in chunks of up to 512 tokens, as a server's
+/// prefill chunks would come) to a paged cache and to one KVCache each: the bytes each holds
+/// and the tokens' own bytes, as counters.
+void BM_cache_memory(benchmark::State& state) {
+  std::mt19937 rng(9);
+  std::uniform_int_distribution<int> length(100, 8000);
+  std::vector<int> lengths(64);
+  for (int& n : lengths) n = length(rng);
+  const attn::KVCacheConfig<float> config = decode_config();
+  attn::PagedKVCacheConfig<float> paged_config;
+  static_cast<attn::KVCacheConfig<float>&>(paged_config) = config;
+  paged_config.pages = 0;
+  for (const int n : lengths) paged_config.pages += (n + 15) / 16;
+  const attn::Matrix<float> K =
+      attn_bench::random_matrix<float>(512, decode_kv_heads * decode_dim, 1);
+  double paged_bytes = 0, contiguous_bytes = 0, token_bytes = 0;
+  for (auto _ : state) {
+    attn::PagedKVCache<float> paged(paged_config);
+    std::vector<attn::KVCache<float>> caches;
+    for (const int n : lengths) {
+      const auto id = paged.add_sequence();
+      caches.emplace_back(config);
+      for (int done = 0; done < n; done += 512) {
+        const Index rows = std::min(512, n - done);
+        paged.append(id, K.topRows(rows), K.topRows(rows));
+        caches.back().append(K.topRows(rows), K.topRows(rows));
+      }
+    }
+    paged_bytes = double(paged.bytes_in_use());
+    contiguous_bytes = 0;
+    token_bytes = 0;
+    for (std::size_t b = 0; b < caches.size(); ++b) {
+      contiguous_bytes += double(caches[b].bytes());
+      token_bytes += double(attn::KVCache<float>::bytes_for(config, lengths[b]));
+    }
+  }
+  state.counters["paged_bytes"] = paged_bytes;
+  state.counters["kvcache_bytes"] = contiguous_bytes;
+  state.counters["token_bytes"] = token_bytes;
+}
+
 void thread_counts(benchmark::internal::Benchmark* b) {
   b->Arg(1)->Arg(2)->ArgNames({"threads"})->Unit(benchmark::kMillisecond)->UseRealTime();
 }
@@ -108,5 +265,21 @@ void thread_counts(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_varlen_prefill)->Apply(thread_counts);
 BENCHMARK(BM_per_sequence_flash)->Apply(thread_counts);
+BENCHMARK(BM_paged_decode)
+    ->ArgsProduct({{0, 1}, {2}})
+    ->ArgNames({"batch", "threads"})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK(BM_kvcache_loop)
+    ->ArgsProduct({{0, 1}, {2}})
+    ->ArgNames({"batch", "threads"})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK(BM_stream_sum)
+    ->Arg(2)
+    ->ArgNames({"threads"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_cache_memory)->Iterations(1)->Unit(benchmark::kMillisecond);
 
 int main(int argc, char** argv) { return attn_bench::run_benchmarks(argc, argv); }

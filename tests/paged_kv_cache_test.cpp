@@ -7,6 +7,7 @@
 
 #include <attn/kv_cache.hpp>
 #include <attn/paged_kv_cache.hpp>
+#include <attn/threads.hpp>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -50,9 +51,9 @@ PagedKVCacheConfig<float> config(Index page_size, Index pages,
 /// Rows of K and V for `rows` tokens.
 struct Rows {
   Matrix<float> K, V;
-  Rows(Index rows, std::mt19937& rng)
-      : K(random_matrix<float>(rows, kHeads * kDim, rng)),
-        V(random_matrix<float>(rows, kHeads * kDim, rng)) {}
+  Rows(Index rows, std::mt19937& rng, Index dim = kDim)
+      : K(random_matrix<float>(rows, kHeads * dim, rng)),
+        V(random_matrix<float>(rows, kHeads * dim, rng)) {}
 };
 
 /// Every kept key and value of `id` against `cache`'s, bit for bit, and the positions.
@@ -293,6 +294,132 @@ TEST(PagedKVCache, BadInputIsAShapeErrorAndChangesNothing) {
   expect_shape_error([&] { paged.keys(a, 2); }, {"kv_head must be in 0 .. 1"});
   EXPECT_EQ(paged.length(a), 0);
   EXPECT_EQ(paged.pages_in_use(), 0);
+}
+
+/// The configuration of the attention tests: d = 32, so that the decoding kernel takes its
+/// vectorised tiles (and, with bfloat16 or int8 keys, the reduced arithmetic could).
+PagedKVCacheConfig<float> wide(Index page_size, Index pages, attn::KVStorage storage) {
+  PagedKVCacheConfig<float> c = config(page_size, pages, storage);
+  c.d_k = c.d_v = 32;
+  return c;
+}
+
+/// Sequences in a paged cache and, beside each, a `KVCache` of the same configuration fed the same
+/// rows: `attend` must give each sequence's rows the bits of its `KVCache::attend`.
+struct Twins {
+  PagedKVCache<float> paged;
+  attn::KVCacheConfig<float> config;
+  std::vector<Index> ids;
+  std::vector<attn::KVCache<float>> caches;
+  std::mt19937 rng{11};
+  Twins(const PagedKVCacheConfig<float>& c, std::size_t count)
+      : paged(c), config(static_cast<const attn::KVCacheConfig<float>&>(c)) {
+    for (std::size_t b = 0; b < count; ++b) {
+      ids.push_back(paged.add_sequence());
+      caches.emplace_back(config);
+    }
+  }
+  /// Appends `lengths[b]` new rows to sequence b, all in one call.
+  void append(const std::vector<int>& lengths) {
+    std::vector<int> offsets{0};
+    for (const int n : lengths) offsets.push_back(offsets.back() + n);
+    const Rows x(offsets.back(), rng, config.d_k);
+    paged.append(ids, offsets, x.K, x.V);
+    for (std::size_t b = 0; b < ids.size(); ++b) {
+      caches[b].append(x.K.middleRows(offsets[b], lengths[b]),
+                       x.V.middleRows(offsets[b], lengths[b]));
+    }
+  }
+  /// `n[b]` queries of sequence b in one `attend`, against each cache's own.
+  void expect_attend(const std::vector<int>& n, const attn::AttentionOptions<float>& options = {}) {
+    std::vector<int> offsets{0};
+    for (const int k : n) offsets.push_back(offsets.back() + k);
+    const Matrix<float> Q = random_matrix<float>(offsets.back(), 4 * config.d_k, rng);
+    const Matrix<float> out = paged.attend(ids, offsets, Q, options);
+    for (std::size_t b = 0; b < ids.size(); ++b) {
+      const Matrix<float> alone = caches[b].attend(Q.middleRows(offsets[b], n[b]), options);
+      EXPECT_TRUE(same_bits(out.middleRows(offsets[b], n[b]), alone))
+          << "sequence " << b << ", " << n[b] << " queries over " << caches[b].size() << " keys";
+    }
+  }
+};
+
+TEST(PagedAttention, EachSequenceHasTheBitsOfItsOwnKVCache) {
+  for (const attn::KVStorage storage : {attn::KVStorage::Same, attn::KVStorage::Float16,
+                                        attn::KVStorage::BFloat16, attn::KVStorage::Int8}) {
+    SCOPED_TRACE(int(storage));
+    PagedKVCacheConfig<float> c = wide(16, 512, storage);
+    c.rope = attn::RopeStyle::Interleaved;
+    Twins x(c, 5);
+    // Prompts of 1 .. 2500 tokens (the longest splits the decoding step into parts), appended
+    // together so that the sequences' pages interleave in the pool.
+    x.append({1, 37, 300, 2500, 70});
+    x.expect_attend({1, 1, 1, 1, 1});       // a decoding step
+    x.expect_attend({1, 20, 300, 64, 33});  // prefill chunks over what is there
+    x.append({3, 1, 40, 1, 9});
+    x.expect_attend({3, 1, 40, 1, 9});
+    attn::AttentionOptions<float> options;
+    options.softcap = 30.0f;
+    options.alibi_slope = 0.25f;
+    options.sink = 0.5f;
+    x.expect_attend({2, 1, 1, 1, 5}, options);
+  }
+}
+
+TEST(PagedAttention, WindowsAndPinnedTokensAsKVCacheHasThem) {
+  for (const attn::KVStorage storage : {attn::KVStorage::Same, attn::KVStorage::Int8}) {
+    SCOPED_TRACE(int(storage));
+    PagedKVCacheConfig<float> c = wide(16, 256, storage);
+    c.window = 100;
+    c.pinned_tokens = 4;
+    Twins x(c, 3);
+    for (const int step : {0, 1, 2, 3, 4, 5}) {
+      const std::vector<int> lengths{step == 0 ? 300 : 1, 40 + step, step == 2 ? 200 : 7};
+      x.append(lengths);
+      x.expect_attend({1, 1, 1});
+      x.expect_attend(lengths);
+    }
+  }
+}
+
+TEST(PagedAttention, TheBitsDoNotDependOnTheThreadCount) {
+  PagedKVCacheConfig<float> c = wide(16, 512, attn::KVStorage::Float16);
+  Twins x(c, 4);
+  x.append({3000, 5, 700, 64});
+  const Matrix<float> Q = random_matrix<float>(4, 4 * 32, x.rng);
+  attn::set_num_threads(1);
+  const Matrix<float> one = x.paged.attend(x.ids, {0, 1, 2, 3, 4}, Q);
+  attn::set_num_threads(2);
+  const Matrix<float> two = x.paged.attend(x.ids, {0, 1, 2, 3, 4}, Q);
+  attn::set_num_threads(0);
+  EXPECT_TRUE(same_bits(one, two));
+}
+
+TEST(PagedAttention, BadCallsAreShapeErrors) {
+  PagedKVCache<float> paged(config(4, 8));
+  std::mt19937 rng(12);
+  const Index a = paged.add_sequence();
+  const Rows x(3, rng);
+  paged.append(a, x.K, x.V);
+  const Matrix<float> Q = random_matrix<float>(4, 4 * kDim, rng);
+  expect_shape_error(
+      [&] {
+        paged.attend({a}, {0, 4}, Q);
+      },
+      {"PagedKVCache::attend (sequence 0)", "4 queries", "only 3 tokens"});
+  expect_shape_error([&] { paged.attend({a + 1}, {0, 4}, Q); }, {"no sequence 1"});
+  expect_shape_error([&] { paged.attend({a}, {0, 3}, Q); }, {"cu_seqlens ends at 3", "Q has 4"});
+  expect_shape_error(
+      [&] {
+        paged.attend({a}, {0, 1}, Q.topRows(1).leftCols(12));
+      },
+      {"Q has 12 columns"});
+  std::vector<attn::AttentionOptions<float>> two(2);
+  expect_shape_error(
+      [&] {
+        paged.attend({a}, {0, 1}, Q.topRows(1), two);
+      },
+      {"per-sequence options have 2 entries"});
 }
 
 }  // namespace paged_kv_cache_test

@@ -46,6 +46,132 @@ struct KVCacheConfig {
                                         ///< append (after RoPE), widened to T in the kernels
 };
 
+namespace detail {
+
+/// The kept keys of one sequence of a cache as two blocks: the pinned rows (positions 0 ..
+/// pinned - 1, visible whatever the window) and the recent rows (positions first_recent ..
+/// first_recent + recent - 1).
+struct KeptBlocks {
+  Index pinned = 0;
+  Index recent = 0;
+  Index first_recent = 0;
+};
+
+/// Scratch of one thread of the two-block (pinned + recent) path.
+template <class T>
+struct MergeScratch {
+  PathScratch<T> path;
+  Matrix<T> o_pinned;
+  Vector<T> lse_pinned, lse;
+};
+
+/// Attention of n (rotated) queries of one sequence over its kept keys by one score rule, `rule`
+/// (its columns the kept keys in position order: the pinned ones, then the recent ones, as the
+/// call's tables have them; the queries at rule.q_position on, causal, its window). The recent
+/// block starts at its first key a query can see (the rows before it are out of every query's
+/// window), so where the block starts does not depend on how many old rows the cache still
+/// keeps. The pinned rows and the recent rows are two blocks of that rule (the pinned block
+/// ignores the window); with both kept, each query head attends each block and the two partial
+/// results are merged by log-sum-exp, the sink added once. With one block, the heads go through
+/// `heads_kernel` (or `heads_variant_kernel` with a variant: not null). The blocks are read
+/// through `pinned_keys(kv)` ... `recent_values(kv)`: views of the cache's storage (stored
+/// blocks, or `PagedRows`). Q n x (heads d_k), out n x (heads d_v), heads side by side.
+template <class T, class Variant, class PK, class PV, class RK, class RV>
+void attend_kept(ConstRef<T> Q, Index heads, Index group, const Variant* variant,
+                 const ScoreRule<T>& rule, const HeadOptions<T>& per_head, KeptBlocks kept,
+                 const PK& pinned_keys, const PV& pinned_values, const RK& recent_keys,
+                 const RV& recent_values, Eigen::Ref<Matrix<T>> out) {
+  constexpr bool with_variant = !std::is_same_v<Variant, NoVariant>;
+  const Index n = Q.rows();
+  if (n == 0) return;
+  const Index d_k = Q.cols() / heads;
+  const Index d_v = out.cols() / heads;
+  const Index pinned = kept.pinned;
+  // Recent rows no query can see (before the first query's window) are left out of the block.
+  const Index skip =
+      rule.window_left
+          ? std::clamp<Index>(saturating_sub(saturating_sub(rule.q_position, *rule.window_left),
+                                             kept.first_recent),
+                              0, kept.recent)
+          : 0;
+  const Index recent = kept.recent - skip;
+  const auto pinned_block = [&](const ScoreRule<T>& r) {
+    ScoreRule<T> block = r.columns(0, pinned);
+    block.left_unbounded = true;  // pinned rows stay visible whatever the window
+    return block;
+  };
+  const auto recent_block = [&](const ScoreRule<T>& r) {
+    ScoreRule<T> block = r.columns(pinned + skip, recent);
+    block.k_position = kept.first_recent + skip;
+    return block;
+  };
+  const auto recent_k = [&](Index kv) { return recent_keys(kv).middleRows(skip, recent); };
+  const auto recent_v = [&](Index kv) { return recent_values(kv).middleRows(skip, recent); };
+  const auto q = [&](Index h) { return Q.middleCols(h * d_k, d_k); };
+  const auto o = [&](Index h) { return out.middleCols(h * d_v, d_v); };
+  const auto stacked_q = [&](Index kv) {
+    return Eigen::Map<const Matrix<T>>(Q.data() + kv * group * d_k, group, d_k);
+  };
+  const auto stacked_o = [&](Index kv) {
+    return Eigen::Map<Matrix<T>>(out.data() + kv * group * d_v, group, d_v);
+  };
+  if (pinned == 0 || recent == 0) {  // one block of keys
+    const bool only_pinned = recent == 0;
+    const ScoreRule<T> block = only_pinned ? pinned_block(rule) : recent_block(rule);
+    const auto run = [&](const auto& keys, const auto& values) {
+      if constexpr (with_variant) {
+        heads_variant_kernel<T>(heads, group, block, per_head, *variant, 0, q, keys, values, o,
+                                stacked_q, stacked_o, [](Index) -> T* { return nullptr; });
+      } else {
+        heads_kernel<T>(heads, group, block, per_head, d_k, d_v, q, keys, values, o, stacked_q,
+                        stacked_o);
+      }
+    };
+    if (only_pinned) {
+      run(pinned_keys, pinned_values);
+    } else {
+      run(recent_k, recent_v);
+    }
+    return;
+  }
+  if constexpr (is_checked<Variant>::value) {
+    for (Index h = 0; h < heads; ++h) {
+      const ScoreRule<T> head = per_head.any() ? head_rule(rule, per_head, h) : rule;
+      const BoundVariant<Variant> bound{variant, 0, h, h / group};
+      check_kernel_tiles<T>(pinned_block(head), FlashTiles{}, bound);
+      check_kernel_tiles<T>(recent_block(head), FlashTiles{}, bound);
+    }
+  }
+  parallel_for<MergeScratch<T>>(heads, [&](Index h, MergeScratch<T>& s) {
+    const Index kv = h / group;
+    ScoreRule<T> head = per_head.any() ? head_rule(rule, per_head, h) : rule;
+    const std::optional<T> sink = head.sink;
+    head.sink.reset();
+    const ScoreRule<T> a = pinned_block(head);
+    const ScoreRule<T> b = recent_block(head);
+    s.o_pinned.resize(n, d_v);
+    s.lse_pinned.resize(n);
+    s.lse.resize(n);
+    Eigen::Ref<Matrix<T>> o_h = out.middleCols(h * d_v, d_v);
+    if constexpr (with_variant) {
+      const BoundVariant<Variant> bound{variant, 0, h, kv};
+      flash_blocks<T>(q(h), kernel_block<T>(pinned_keys(kv)), kernel_block<T>(pinned_values(kv)), a,
+                      FlashTiles{}, s.path.flash, s.o_pinned, s.lse_pinned.data(), bound);
+      flash_blocks<T>(q(h), kernel_block<T>(recent_k(kv)), kernel_block<T>(recent_v(kv)), b,
+                      FlashTiles{}, s.path.flash, o_h, s.lse.data(), bound);
+    } else {
+      run_path<T>(choose_path(a, d_k, d_v, false), q(h), pinned_keys(kv), pinned_values(kv), a,
+                  s.path, s.o_pinned, s.lse_pinned.data());
+      run_path<T>(choose_path(b, d_k, d_v, false), q(h), recent_k(kv), recent_v(kv), b, s.path, o_h,
+                  s.lse.data());
+    }
+    merge_block<T>(o_h, s.lse.data(), s.o_pinned, s.lse_pinned.data());
+    finish_merge<T>(o_h, s.lse.data(), sink);
+  });
+}
+
+}  // namespace detail
+
 /// Keys and values of a growing sequence, for autoregressive decoding, and attention over them.
 ///
 /// Layouts: the matrix calls take one row per token with the heads side by side in the columns
@@ -377,127 +503,26 @@ class KVCache {
     }
   }
 
-  /// Scratch of one thread of the two-block (pinned + recent) path.
-  struct MergeScratch {
-    detail::PathScratch<T> path;
-    Matrix<T> o_pinned;
-    Vector<T> lse_pinned, lse;
-  };
-
-  /// Attention of the (rotated) queries over the kept keys by one score rule: queries at positions
-  /// first .. first + n - 1, causal, the narrower window, the call's tables with their columns in
-  /// `key_positions()` order. The pinned rows and the recent rows are two blocks of that rule
-  /// (the pinned block ignores the window); with both kept, each query head attends each block
-  /// and the two partial results are merged by log-sum-exp, the sink added once.
-  /// With a variant (not null): one block as `heads_variant_kernel` runs it, two blocks each on
-  /// the tiled kernel with it.
+  /// Attention of the (rotated) queries over the kept keys (`detail::attend_kept`), the keys and
+  /// values read as stored by the cache's format.
   template <class Variant>
   void attend_rows(detail::ConstRef<T> Q, Index heads, const Variant* variant,
                    const AttentionOptions<T>& options, const HeadOptions<T>& per_head, Index first,
                    Matrix<T>& out) const {
-    detail::with_codec<T>(config_.storage, [&](auto codec) {
-      attend_stored<decltype(codec)>(Q, heads, variant, options, per_head, first, out);
-    });
-  }
-
-  /// `attend_rows` over keys and values stored by `Codec` (detail/stored.hpp).
-  template <class Codec, class Variant>
-  void attend_stored(detail::ConstRef<T> Q, Index heads, const Variant* variant,
-                     const AttentionOptions<T>& options, const HeadOptions<T>& per_head,
-                     Index first, Matrix<T>& out) const {
-    constexpr bool with_variant = !std::is_same_v<Variant, detail::NoVariant>;
-    const Index n = Q.rows();
-    if (n == 0) return;
-    const Index d_k = config_.d_k;
-    const Index d_v = config_.d_v;
-    const Index group = heads / config_.kv_heads;
-    const Index pinned = store_.pinned_held();
-    const Index recent = store_.recent_held();
-    detail::ScoreRule<T> rule = detail::make_rule(options, n, size(), d_k);
+    detail::ScoreRule<T> rule = detail::make_rule(options, Q.rows(), size(), config_.d_k);
     rule.q_position = first;
     rule.causal = true;
     rule.window_left = effective_window(options);
-    const auto pinned_block = [&](const detail::ScoreRule<T>& r) {
-      detail::ScoreRule<T> block = r.columns(0, pinned);
-      block.left_unbounded = true;  // pinned rows stay visible whatever the window
-      return block;
-    };
-    const auto recent_block = [&](const detail::ScoreRule<T>& r) {
-      detail::ScoreRule<T> block = r.columns(pinned, recent);
-      block.k_position = store_.first_recent();
-      return block;
-    };
-    const auto q = [&](Index h) { return Q.middleCols(h * d_k, d_k); };
-    const auto o = [&](Index h) { return out.middleCols(h * d_v, d_v); };
-    const auto stacked_q = [&](Index kv) {
-      return Eigen::Map<const Matrix<T>>(Q.data() + kv * group * d_k, group, d_k);
-    };
-    const auto stacked_o = [&](Index kv) {
-      return Eigen::Map<Matrix<T>>(out.data() + kv * group * d_v, group, d_v);
-    };
-    if (pinned == 0 || recent == 0) {  // one block of keys
-      const bool only_pinned = recent == 0;
-      const detail::ScoreRule<T> block = only_pinned ? pinned_block(rule) : recent_block(rule);
-      const auto keys = [&](Index kv) {
-        return only_pinned ? store_.template pinned_keys_as<Codec>(kv)
-                           : store_.template recent_keys_as<Codec>(kv);
-      };
-      const auto values = [&](Index kv) {
-        return only_pinned ? store_.template pinned_values_as<Codec>(kv)
-                           : store_.template recent_values_as<Codec>(kv);
-      };
-      if constexpr (with_variant) {
-        detail::heads_variant_kernel<T>(heads, group, block, per_head, *variant, 0, q, keys, values,
-                                        o, stacked_q, stacked_o,
-                                        [](Index) -> T* { return nullptr; });
-      } else {
-        detail::heads_kernel<T>(heads, group, block, per_head, d_k, d_v, q, keys, values, o,
-                                stacked_q, stacked_o);
-      }
-      return;
-    }
-    if constexpr (detail::is_checked<Variant>::value) {
-      for (Index h = 0; h < heads; ++h) {
-        const detail::ScoreRule<T> head =
-            per_head.any() ? detail::head_rule(rule, per_head, h) : rule;
-        const detail::BoundVariant<Variant> bound{variant, 0, h, h / group};
-        detail::check_kernel_tiles<T>(pinned_block(head), FlashTiles{}, bound);
-        detail::check_kernel_tiles<T>(recent_block(head), FlashTiles{}, bound);
-      }
-    }
-    detail::parallel_for<MergeScratch>(heads, [&](Index h, MergeScratch& s) {
-      const Index kv = h / group;
-      detail::ScoreRule<T> head = per_head.any() ? detail::head_rule(rule, per_head, h) : rule;
-      const std::optional<T> sink = head.sink;
-      head.sink.reset();
-      const detail::ScoreRule<T> a = pinned_block(head);
-      const detail::ScoreRule<T> b = recent_block(head);
-      s.o_pinned.resize(n, d_v);
-      s.lse_pinned.resize(n);
-      s.lse.resize(n);
-      Eigen::Ref<Matrix<T>> o_h = out.middleCols(h * d_v, d_v);
-      if constexpr (with_variant) {
-        const detail::BoundVariant<Variant> bound{variant, 0, h, kv};
-        detail::flash_blocks<T>(
-            q(h), detail::kernel_block<T>(store_.template pinned_keys_as<Codec>(kv)),
-            detail::kernel_block<T>(store_.template pinned_values_as<Codec>(kv)), a, FlashTiles{},
-            s.path.flash, s.o_pinned, s.lse_pinned.data(), bound);
-        detail::flash_blocks<T>(
-            q(h), detail::kernel_block<T>(store_.template recent_keys_as<Codec>(kv)),
-            detail::kernel_block<T>(store_.template recent_values_as<Codec>(kv)), b, FlashTiles{},
-            s.path.flash, o_h, s.lse.data(), bound);
-      } else {
-        detail::run_path<T>(detail::choose_path(a, d_k, d_v, false), q(h),
-                            store_.template pinned_keys_as<Codec>(kv),
-                            store_.template pinned_values_as<Codec>(kv), a, s.path, s.o_pinned,
-                            s.lse_pinned.data());
-        detail::run_path<T>(detail::choose_path(b, d_k, d_v, false), q(h),
-                            store_.template recent_keys_as<Codec>(kv),
-                            store_.template recent_values_as<Codec>(kv), b, s.path, o_h,
-                            s.lse.data());
-      }
-      detail::merge_block<T>(o_h, s.lse.data(), s.o_pinned, s.lse_pinned.data());
-      detail::finish_merge<T>(o_h, s.lse.data(), sink);
+    const detail::KeptBlocks blocks{store_.pinned_held(), store_.recent_held(),
+                                    store_.first_recent()};
+    detail::with_codec<T>(config_.storage, [&](auto codec) {
+      using Codec = decltype(codec);
+      detail::attend_kept<T>(
+          Q, heads, heads / config_.kv_heads, variant, rule, per_head, blocks,
+          [&](Index kv) { return store_.template pinned_keys_as<Codec>(kv); },
+          [&](Index kv) { return store_.template pinned_values_as<Codec>(kv); },
+          [&](Index kv) { return store_.template recent_keys_as<Codec>(kv); },
+          [&](Index kv) { return store_.template recent_values_as<Codec>(kv); }, out);
     });
   }
 

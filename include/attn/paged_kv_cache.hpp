@@ -15,11 +15,13 @@
 #include <vector>
 
 #include "detail/checked.hpp"
+#include "detail/paged_rows.hpp"
 #include "detail/stored.hpp"
 #include "error.hpp"
 #include "kv_cache.hpp"
 #include "rope.hpp"
 #include "types.hpp"
+#include "varlen.hpp"
 
 namespace attn {
 
@@ -257,18 +259,15 @@ class PagedKVCache {
   }
 
   /// The positions of a sequence's kept tokens, in order: all of them without a window; with one,
-  /// those of its kept pages.
+  /// the pinned tokens and the tokens from the first kept page after them on (the columns of
+  /// `attend`'s tables).
   /// \param id  an existing sequence
   /// \returns the positions
   std::vector<Index> key_positions(SequenceId id) const {
-    const Sequence& s = sequence("PagedKVCache::key_positions", id);
+    const detail::KeptBlocks kept = kept_blocks(sequence("PagedKVCache::key_positions", id));
     std::vector<Index> out;
-    for (std::size_t i = 0; i < s.pages.size(); ++i) {
-      if (s.pages[i] < 0) continue;
-      const Index first = static_cast<Index>(i) * config_.page_size;
-      for (Index p = first; p < std::min(first + config_.page_size, s.length); ++p)
-        out.push_back(p);
-    }
+    for (Index p = 0; p < kept.pinned; ++p) out.push_back(p);
+    for (Index p = 0; p < kept.recent; ++p) out.push_back(kept.first_recent + p);
     return out;
   }
 
@@ -355,6 +354,107 @@ class PagedKVCache {
     return slots;
   }
 
+  /// Attention of many sequences' new queries over their kept keys, in one call: rows
+  /// [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of Q are sequence ids[b]'s queries, and each sequence
+  /// is attended as `KVCache::attend` attends a cache holding its tokens in the same storage
+  /// format (causal; by default its n_b queries are its last n_b positions; the narrower of the
+  /// cache's and the options' windows; pinned tokens as a block of their own) — with identical
+  /// bits, for any thread count and whatever pages the sequence holds.
+  /// \param ids           existing sequences (one may appear more than once)
+  /// \param cu_seqlens_q  ids.size() + 1 offsets: 0, non-decreasing, the last Q's rows
+  /// \param Q             total_q x (heads d_k), query heads side by side, heads a multiple of
+  ///                      kv_heads; unrotated when the cache applies RoPE
+  /// \param options       shared or per-sequence options (`SequenceOptions`), as `KVCache::attend`
+  ///                      takes them; a mask or bias is n_b x (the sequence's kept keys, in
+  ///                      `key_positions` order)
+  /// \param per_head      per-query-head slopes, sinks, and (heads, n, kept) tables when every
+  ///                      sequence has the same n and kept keys
+  /// \param out           resized to total_q x (heads d_v)
+  /// \throws shape_error on mismatched shapes or offsets, an unknown id, options that do not fit a
+  ///         sequence (naming it), or queries that need keys a window has let go.
+  /// \note Sequences run in parallel, longest first; within one, the paths of `KVCache::attend`
+  ///       (the decoding kernel gathers each tile of 64 keys from its pages; the other paths run
+  ///       on the sequence's rows gathered per query head).
+  template <class DQ>
+  void attend(const std::vector<SequenceId>& ids, const std::vector<int>& cu_seqlens_q,
+              const Eigen::MatrixBase<DQ>& Q, const SequenceOptions<detail::identity_t<T>>& options,
+              const HeadOptions<detail::identity_t<T>>& per_head, Matrix<T>& out) const {
+    static_assert(std::is_same_v<typename DQ::Scalar, T>, "Q must have the cache's scalar type");
+    const char* where = "PagedKVCache::attend";
+    const Index d_k = config_.d_k;
+    if (Q.cols() == 0 || Q.cols() % (d_k * config_.kv_heads) != 0) {
+      detail::fail(where, "Q has ", Q.cols(),
+                   " columns, not a positive multiple of kv_heads * d_k = ", config_.kv_heads * d_k,
+                   " (Q is ", detail::shape_of(Q), ")");
+    }
+    check_offsets(where, ids, cu_seqlens_q, Q.rows(), "Q");
+    if (options.per_sequence() && options.size() != static_cast<Index>(ids.size())) {
+      detail::fail(where, "the per-sequence options have ", options.size(),
+                   " entries but there are ", ids.size(), " sequences");
+    }
+    const Index heads = Q.cols() / d_k;
+    // 1. Every sequence's rule, checked before anything is computed.
+    struct Plan {
+      Index q0, n;
+      const Sequence* s;
+      detail::KeptBlocks kept;
+      detail::ScoreRule<T> rule;
+    };
+    std::vector<Plan> plans;
+    plans.reserve(ids.size());
+    for (std::size_t b = 0; b < ids.size(); ++b) {
+      const Sequence& s = sequence(where, ids[b]);
+      const Index n = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+      const std::string at = std::string(where) + " (sequence " + std::to_string(ids[b]) + ")";
+      const AttentionOptions<T>& own = options.of(static_cast<Index>(b));
+      const detail::KeptBlocks kept = kept_blocks(s);
+      plans.push_back({cu_seqlens_q[b], n, &s, kept,
+                       sequence_rule(at.c_str(), s, kept, own, per_head, heads, n)});
+    }
+    const Index d_v = config_.d_v;
+    if (out.rows() != Q.rows() || out.cols() != heads * d_v) out.resize(Q.rows(), heads * d_v);
+    // 2. The sequences, longest first (each runs its heads on the calling thread's share).
+    std::vector<std::size_t> order(plans.size());
+    for (std::size_t b = 0; b < order.size(); ++b) order[b] = b;
+    const auto cost = [&](std::size_t b) {
+      return double(plans[b].n) * double(plans[b].kept.pinned + plans[b].kept.recent);
+    };
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t a, std::size_t c) { return cost(a) > cost(c); });
+    const Eigen::Ref<const Matrix<T>> queries = Q;
+    detail::parallel_for<Matrix<T>>(
+        static_cast<Index>(order.size()), [&](Index t, Matrix<T>& rotated) {
+          const Plan& plan = plans[order[static_cast<std::size_t>(t)]];
+          if (plan.n == 0) return;
+          if (config_.rope) {
+            rotated = queries.middleRows(plan.q0, plan.n);
+            detail::rope_kernel<T>(rotated, d_k, plan.rule.q_position, *config_.rope, rope_table_);
+          }
+          const detail::ConstRef<T> q =
+              config_.rope ? detail::ConstRef<T>(rotated)
+                           : detail::ConstRef<T>(queries.middleRows(plan.q0, plan.n));
+          attend_sequence(q, heads, *plan.s, plan.kept, plan.rule, per_head,
+                          out.middleRows(plan.q0, plan.n));
+        });
+  }
+
+  /// `attend` returning total_q x (heads d_v) (see the overload into caller storage).
+  /// \param ids           existing sequences
+  /// \param cu_seqlens_q  ids.size() + 1 offsets of the queries
+  /// \param Q             total_q x (heads d_k)
+  /// \param options       shared or per-sequence options
+  /// \param per_head      per-query-head values
+  /// \returns total_q x (heads d_v)
+  template <class DQ>
+  Matrix<T> attend(const std::vector<SequenceId>& ids, const std::vector<int>& cu_seqlens_q,
+                   const Eigen::MatrixBase<DQ>& Q,
+                   const SequenceOptions<detail::identity_t<T>>& options = {},
+                   const HeadOptions<detail::identity_t<T>>& per_head = {}) const {
+    Matrix<T> out;
+    attend(ids, cu_seqlens_q, Q, options, per_head, out);
+    return out;
+  }
+
  private:
   static constexpr const char* function = "PagedKVCache";
 
@@ -432,7 +532,8 @@ class PagedKVCache {
   }
 
   static void check_offsets(const char* where, const std::vector<SequenceId>& ids,
-                            const std::vector<int>& cu_seqlens, Index rows) {
+                            const std::vector<int>& cu_seqlens, Index rows,
+                            const char* owner = "K_new") {
     if (cu_seqlens.size() != ids.size() + 1) {
       detail::fail(where, "cu_seqlens has ", cu_seqlens.size(), " entries but there are ",
                    ids.size(), " sequences: it needs ", ids.size() + 1);
@@ -446,7 +547,7 @@ class PagedKVCache {
       }
     }
     if (cu_seqlens.back() != rows) {
-      detail::fail(where, "cu_seqlens ends at ", cu_seqlens.back(), " but K_new has ", rows,
+      detail::fail(where, "cu_seqlens ends at ", cu_seqlens.back(), " but ", owner, " has ", rows,
                    " rows");
     }
   }
@@ -518,28 +619,120 @@ class PagedKVCache {
     }
   }
 
+  /// The rule of n queries of sequence s, as `KVCache::attend` builds and checks it.
+  detail::ScoreRule<T> sequence_rule(const char* where, const Sequence& s, detail::KeptBlocks kept,
+                                     const AttentionOptions<T>& options,
+                                     const HeadOptions<T>& per_head, Index heads, Index n) const {
+    const Index size = kept.pinned + kept.recent;
+    if (!options.query_offset && n > s.length) {
+      detail::fail(where, n, " queries but the sequence has only ", s.length,
+                   " tokens (the queries are its last tokens)");
+    }
+    if (options.causal == Causal::TopLeft && !options.query_offset) {
+      detail::fail(where, "attend is causal with bottom-right alignment; Causal::TopLeft would ",
+                   "hide the cache from the new queries (set query_offset to place the queries)");
+    }
+    const Index first = options.query_offset ? *options.query_offset : s.length - n;
+    if (config_.rope && first < 0) {
+      detail::fail(where, "query_offset is ", first, " but RoPE needs positions >= 0");
+    }
+    if (config_.rope) detail::checked_add(where, first, n, "the queries' positions");
+    detail::check_options(where, options, n, size);
+    detail::check_head_options(where, options, per_head, heads, n, size);
+    std::optional<Index> window = config_.window;
+    if (options.window) window = window ? std::min(*window, *options.window) : options.window;
+    const Index oldest = window ? detail::saturating_sub(first, *window) : 0;
+    if (window && s.dropped > 0 && kept.first_recent > oldest) {
+      detail::fail(where, n, " queries with a window of ", *window, " (the first at position ",
+                   first, ") need the keys from position ", std::max<Index>(oldest, 0),
+                   " on, but the sequence keeps positions ", kept.first_recent, " .. ",
+                   s.length - 1,
+                   " only (attend at most as many queries as the last append's rows)");
+    }
+    detail::ScoreRule<T> rule = detail::make_rule(options, n, size, config_.d_k);
+    rule.q_position = first;
+    rule.causal = true;
+    rule.window_left = window;
+    return rule;
+  }
+
+  /// One sequence's (rotated) queries over its kept blocks (`detail::attend_kept`), read from
+  /// the pool through `PagedRows`.
+  void attend_sequence(detail::ConstRef<T> Q, Index heads, const Sequence& s,
+                       detail::KeptBlocks kept, const detail::ScoreRule<T>& rule,
+                       const HeadOptions<T>& per_head, Eigen::Ref<Matrix<T>> out) const {
+    detail::with_codec<T>(config_.storage, [&](auto codec) {
+      using Codec = decltype(codec);
+      const auto rows = [&](const detail::StoredRows<T>& pool, Index first, Index count) {
+        return [this, &s, from = &pool, first, count](Index kv) {
+          return paged_rows<Codec>(*from, s, kv, first, count);
+        };
+      };
+      detail::attend_kept<T>(Q, heads, heads / config_.kv_heads,
+                             static_cast<const detail::NoVariant*>(nullptr), rule, per_head, kept,
+                             rows(keys_, 0, kept.pinned), rows(values_, 0, kept.pinned),
+                             rows(keys_, kept.first_recent, kept.recent),
+                             rows(values_, kept.first_recent, kept.recent), out);
+    });
+  }
+
+  /// The kept blocks of a sequence: the pinned tokens (with a window), then the tokens from the
+  /// first kept page after the pinned pages on (from the first unpinned token while no page has
+  /// been let go).
+  detail::KeptBlocks kept_blocks(const Sequence& s) const {
+    detail::KeptBlocks kept;
+    kept.pinned = config_.window ? std::min(s.length, config_.pinned_tokens) : 0;
+    kept.first_recent = kept.pinned;
+    if (s.dropped > 0) {
+      const Index P = config_.page_size;
+      Index i = (config_.pinned_tokens + P - 1) / P;
+      while (s.pages[static_cast<std::size_t>(i)] < 0) ++i;
+      kept.first_recent = i * P;
+    }
+    kept.recent = s.length - kept.first_recent;
+    return kept;
+  }
+
+  /// Rows [first, first + count) of a sequence's key/value head `head` in `pool`, as the kernels
+  /// read them.
+  template <class Codec>
+  detail::PagedRows<Codec, T> paged_rows(const detail::StoredRows<T>& pool, const Sequence& s,
+                                         Index head, Index first, Index count) const {
+    const typename Codec::Bits* data = nullptr;
+    const T* scales = nullptr;
+    if constexpr (std::is_same_v<Codec, detail::SameCodec<T>>) {
+      data = pool.same().data();
+    } else {
+      const auto all = pool.template block<Codec>(0, pool.rows());
+      data = all.data();
+      scales = all.scales();
+    }
+    return detail::PagedRows<Codec, T>(data, scales, s.pages.data(), config_.page_size,
+                                       config_.kv_heads, head, first, count, pool.cols());
+  }
+
   Matrix<T> gathered(const char* where, const detail::StoredRows<T>& pool, SequenceId id,
                      Index kv_head) const {
     require_head(where, kv_head);
     const Sequence& s = sequence(where, id);
-    const Index P = config_.page_size;
-    Matrix<T> out(static_cast<Index>(key_positions(id).size()), pool.cols());
-    Index r = 0;
-    Matrix<T> rows;
+    const detail::KeptBlocks kept = kept_blocks(s);
+    Matrix<T> out(kept.pinned + kept.recent, pool.cols());
     detail::with_codec<T>(config_.storage, [&](auto codec) {
       using Codec = decltype(codec);
-      for (std::size_t i = 0; i < s.pages.size(); ++i) {
-        if (s.pages[i] < 0) continue;
-        const Index count = std::min(P, s.length - static_cast<Index>(i) * P);
-        const Index first = row(s.pages[i], kv_head, 0);
+      detail::GatherBuffer<T> buffer;
+      Matrix<T> rows;
+      const auto copy = [&](Index first, Index count, Index to) {
+        const auto block =
+            detail::gathered(paged_rows<Codec>(pool, s, kv_head, first, count), 0, count, buffer);
         if constexpr (std::is_same_v<Codec, detail::SameCodec<T>>) {
-          out.middleRows(r, count) = pool.same().middleRows(first, count);
+          out.middleRows(to, count) = block;
         } else {
-          pool.template block<Codec>(first, count).widen_into(rows);
-          out.middleRows(r, count) = rows;
+          block.widen_into(rows);
+          out.middleRows(to, count) = rows;
         }
-        r += count;
-      }
+      };
+      copy(0, kept.pinned, 0);
+      copy(kept.first_recent, kept.recent, kept.pinned);
     });
     return out;
   }

@@ -15,6 +15,7 @@
 #include "../variant.hpp"
 #include "exact_rows.hpp"
 #include "online_softmax.hpp"
+#include "paged_rows.hpp"
 #include "score_rule.hpp"
 #include "stored.hpp"
 #include "variant_tiles.hpp"
@@ -37,6 +38,7 @@ struct DecodeScratch {
   Vector<std::int32_t> q_i8_bias;  ///< ... and 128 times the sum of each head's entries
   bool i8_scores = false;          ///< this step's int8 keys go through `vpdpbusd`
   bool i16_values = false;         ///< this step's int8 values go through `vpdpwssd`
+  GatherBuffer<T> k_tile, v_tile;  ///< a tile of paged keys and values, gathered (`PagedRows`)
 };
 
 template <class T>
@@ -103,6 +105,18 @@ template <class E>
 PrefetchRows prefetch_rows_of(const E* first, Index stride, Index width, Index rows) {
   return {reinterpret_cast<const char*>(first), stride * Index(sizeof(E)), width * Index(sizeof(E)),
           rows};
+}
+
+/// Asks for rows [j0, j0 + count) of a sequence's paged rows (`prefetch_line`, a line at a time).
+template <class Codec, class T>
+void prefetch_paged(const PagedRows<Codec, T>& rows, Index j0, Index count) {
+  constexpr Index line = 64;
+  using Bits = typename Codec::Bits;
+  rows.runs(j0, count, [&](Index row, Index run, Index) {
+    const char* first = reinterpret_cast<const char*>(rows.row_data(row));
+    const Index bytes = run * rows.cols() * Index(sizeof(Bits));
+    for (Index b = 0; b < bytes; b += line) prefetch_line(first + b);
+  });
 }
 
 /// Keeps a packet that several multiply-adds share in a register. Without it GCC 12 folds the
@@ -815,38 +829,51 @@ void decode_blocks(ConstRef<T> q, const KBlock& K, const VBlock& V, const ScoreR
   scratch.alpha.resize(g);
   scratch.s.resize(g, tile);
   const bool vectorised = decode_vectorised<T>(K.cols(), V.cols());
-  for (Index j0 = 0; j0 < K.rows(); j0 += tile) {
-    const Index cols = std::min(tile, K.rows() - j0);
+  // The tile of keys [j0, j0 + cols) of the blocks Kb and Vb, `at` placing the variant.
+  const auto run_tile = [&](const auto& Kb, const auto& Vb, Index j0, Index cols,
+                            const DecodeVariant<Variant>& at) {
     if (vectorised) {
       Index h0 = 0;
-      for (; h0 + 4 <= g; h0 += 4) decode_tile<T, 4>(h0, K, V, j0, cols, rule, scratch, variant);
-      for (; h0 + 2 <= g; h0 += 2) decode_tile<T, 2>(h0, K, V, j0, cols, rule, scratch, variant);
-      for (; h0 < g; ++h0) decode_tile<T, 1>(h0, K, V, j0, cols, rule, scratch, variant);
-      continue;
+      for (; h0 + 4 <= g; h0 += 4) decode_tile<T, 4>(h0, Kb, Vb, j0, cols, rule, scratch, at);
+      for (; h0 + 2 <= g; h0 += 2) decode_tile<T, 2>(h0, Kb, Vb, j0, cols, rule, scratch, at);
+      for (; h0 < g; ++h0) decode_tile<T, 1>(h0, Kb, Vb, j0, cols, rule, scratch, at);
+      return;
     }
     Eigen::Ref<Matrix<T>> s = scratch.s.leftCols(cols);
-    if constexpr (std::is_same_v<codec_of_t<KBlock, T>, SameCodec<T>>) {
-      s.noalias() = scratch.q_scaled.lazyProduct(K.middleRows(j0, cols).transpose());
+    const auto scores_then = [&](const auto& values) {
       if constexpr (is_variant_v<Variant>) {
-        decode_variant<VariantStep::Score>(variant, s.data(), s.outerStride(), 0, g, j0, cols);
+        decode_variant<VariantStep::Score>(at, s.data(), s.outerStride(), 0, g, j0, cols);
       }
       rule.apply_uniform(s);
       if constexpr (is_variant_v<Variant>) {
-        decode_variant<VariantStep::Mask>(variant, s.data(), s.outerStride(), 0, g, j0, cols);
+        decode_variant<VariantStep::Mask>(at, s.data(), s.outerStride(), 0, g, j0, cols);
       }
-      scratch.state.step(s, V.middleRows(j0, cols));
+      scratch.state.step(s, values);
+    };
+    if constexpr (std::is_same_v<codec_of_t<std::decay_t<decltype(Kb)>, T>, SameCodec<T>>) {
+      s.noalias() = scratch.q_scaled.lazyProduct(Kb.middleRows(j0, cols).transpose());
+      scores_then(Vb.middleRows(j0, cols));
     } else {
-      K.middleRows(j0, cols).widen_into(scratch.k_wide);
-      V.middleRows(j0, cols).widen_into(scratch.v_wide);
+      Kb.middleRows(j0, cols).widen_into(scratch.k_wide);
+      Vb.middleRows(j0, cols).widen_into(scratch.v_wide);
       s.noalias() = scratch.q_scaled.lazyProduct(scratch.k_wide.transpose());
-      if constexpr (is_variant_v<Variant>) {
-        decode_variant<VariantStep::Score>(variant, s.data(), s.outerStride(), 0, g, j0, cols);
-      }
-      rule.apply_uniform(s);
-      if constexpr (is_variant_v<Variant>) {
-        decode_variant<VariantStep::Mask>(variant, s.data(), s.outerStride(), 0, g, j0, cols);
-      }
-      scratch.state.step(s, scratch.v_wide);
+      scores_then(scratch.v_wide);
+    }
+  };
+  for (Index j0 = 0; j0 < K.rows(); j0 += tile) {
+    const Index cols = std::min(tile, K.rows() - j0);
+    if constexpr (is_paged_v<KBlock>) {
+      // The tile's rows gathered from their pages: the same tile, contiguous. The next tile's
+      // rows are asked for first (the pages break the stream the hardware prefetcher follows).
+      DecodeVariant<Variant> at = variant;
+      at.first_key += j0;
+      const auto Kt = gathered(K, j0, cols, scratch.k_tile);
+      const auto Vt = gathered(V, j0, cols, scratch.v_tile);
+      prefetch_paged(K, j0 + cols, std::min(tile, K.rows() - j0 - cols));
+      prefetch_paged(V, j0 + cols, std::min(tile, V.rows() - j0 - cols));
+      run_tile(Kt, Vt, 0, cols, at);
+    } else {
+      run_tile(K, V, j0, cols, variant);
     }
   }
   scratch.state.finish(o, lse);

@@ -80,6 +80,7 @@ struct PathScratch {
   DecodeScratch<T> decode;  ///< the decoding kernel's state
   FlashScratch<T> flash;    ///< the tiled kernel's state (one block at a time)
   Matrix<T> keys, values;   ///< stored keys and values widened to T (the paths other than decode)
+  GatherBuffer<T> paged_keys, paged_values;  ///< a block of paged rows gathered (`PagedRows`)
 };
 
 /// Attention of one head by `rule` on `path`, inside a parallel loop (the tiled path then runs its
@@ -126,6 +127,22 @@ void run_path(Path path, ConstRef<T> Q, const StoredBlock<Codec, T>& K,
   K.widen_into(scratch.keys);
   V.widen_into(scratch.values);
   run_path<T>(path, Q, scratch.keys, scratch.values, rule, scratch, O, lse);
+}
+
+/// `run_path` over a sequence's rows in a page pool (detail/paged_rows.hpp): the decoding path
+/// gathers them tile by tile; the others run on the block gathered into `scratch`, contiguous. The
+/// bits are those of the same rows stored contiguously.
+template <class T, class Codec>
+void run_path(Path path, ConstRef<T> Q, const PagedRows<Codec, T>& K, const PagedRows<Codec, T>& V,
+              const ScoreRule<T>& rule, PathScratch<T>& scratch, Eigen::Ref<Matrix<T>> O, T* lse) {
+  if (path == Path::Decode) {
+    const KeyRange keys = rule.keys(0);
+    decode_blocks<T>(Q, K.middleRows(keys.begin, keys.end - keys.begin),
+                     V.middleRows(keys.begin, keys.end - keys.begin), rule, scratch.decode, O, lse);
+    return;
+  }
+  run_path<T>(path, Q, gathered(K, 0, K.rows(), scratch.paged_keys),
+              gathered(V, 0, V.rows(), scratch.paged_values), rule, scratch, O, lse);
 }
 
 /// Keys per part when one decoding step is split over threads. A fixed number (not one derived
