@@ -573,7 +573,7 @@ TEST(KVCacheErrors, ShapesAndPositions) {
   expect_shape_error([&] { cache.attend(attn::Matrix<float>::Zero(1, 5)); },
                      {"KVCache::attend", "5 columns", "1 x 5"});
   expect_shape_error([&] { cache.attend(attn::Matrix<float>::Zero(6, 4)); },
-                     {"6 rows", "only 5 positions"});
+                     {"6 queries", "seen only 5 positions"});
   attn::AttentionOptions<float> top_left;
   top_left.causal = Causal::TopLeft;
   expect_shape_error([&] { cache.attend(attn::Matrix<float>::Zero(1, 4), top_left); }, {"TopLeft"});

@@ -406,9 +406,13 @@ TEST(PagedAttention, BadCallsAreShapeErrors) {
       [&] {
         paged.attend({a}, {0, 4}, Q);
       },
-      {"PagedKVCache::attend (sequence 0)", "4 queries", "only 3 tokens"});
+      {"PagedKVCache::attend (sequence 0)", "4 queries", "seen only 3 positions"});
   expect_shape_error([&] { paged.attend({a + 1}, {0, 4}, Q); }, {"no sequence 1"});
-  expect_shape_error([&] { paged.attend({a}, {0, 3}, Q); }, {"cu_seqlens ends at 3", "Q has 4"});
+  expect_shape_error(
+      [&] {
+        paged.attend({a}, {0, 3}, Q);
+      },
+      {"cu_seqlens_q ends at 3", "4 rows of Q"});
   expect_shape_error(
       [&] {
         paged.attend({a}, {0, 1}, Q.topRows(1).leftCols(12));

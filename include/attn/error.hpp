@@ -42,6 +42,20 @@ template <class... Parts>
   throw shape_error(message.str());
 }
 
+/// `check(function)`, whose errors then name one part of the call: when it throws, it runs
+/// again as `check("function (part value)")` and that error is thrown. The name is built only on
+/// failure, as the checks run on every call of a hot path (a decoding step per sequence).
+template <class Check>
+auto naming_part(const char* function, const char* part, long long value, const Check& check) {
+  try {
+    return check(function);
+  } catch (const shape_error&) {
+    const std::string named =
+        std::string(function) + " (" + part + " " + std::to_string(value) + ")";
+    return check(named.c_str());
+  }
+}
+
 /// Requires `a.cols() == b.cols()`.
 template <class A, class B>
 void require_same_cols(const char* function, const char* a_name, const A& a, const char* b_name,

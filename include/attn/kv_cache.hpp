@@ -170,6 +170,47 @@ void attend_kept(ConstRef<T> Q, Index heads, Index group, const Variant* variant
   });
 }
 
+/// The rule of n queries of one sequence of a cache over its kept keys (`kept`; `seen` positions
+/// appended, `dropped` whether a window has let rows go), the queries and options checked as both
+/// caches' `attend` checks them: the queries are the last n positions unless `query_offset`
+/// places them, causal with bottom-right alignment, within the narrower of the cache's and the
+/// call's windows, which must not need a key the cache has let go.
+template <class T>
+ScoreRule<T> cache_rule(const char* function, const KVCacheConfig<T>& config, Index seen,
+                        const KeptBlocks& kept, bool dropped, const AttentionOptions<T>& options,
+                        const HeadOptions<T>& per_head, Index heads, Index n) {
+  const Index size = kept.pinned + kept.recent;
+  if (!options.query_offset && n > seen) {
+    fail(function, n, " queries but the sequence has seen only ", seen,
+         " positions (the queries are the last rows appended)");
+  }
+  if (options.causal == Causal::TopLeft && !options.query_offset) {
+    fail(function, "attend is causal with bottom-right alignment; Causal::TopLeft would ",
+         "hide the cache from the new queries (set query_offset to place the queries)");
+  }
+  const Index first = options.query_offset ? *options.query_offset : seen - n;
+  if (config.rope && first < 0) {
+    fail(function, "query_offset is ", first, " but RoPE needs positions >= 0");
+  }
+  if (config.rope) checked_add(function, first, n, "the queries' positions");
+  check_options(function, options, n, size);
+  check_head_options(function, options, per_head, heads, n, size);
+  std::optional<Index> window = config.window;
+  if (options.window) window = window ? std::min(*window, *options.window) : options.window;
+  const Index oldest = window ? saturating_sub(first, *window) : 0;
+  if (window && dropped && kept.first_recent > oldest) {
+    fail(function, n, " queries with a window of ", *window, " (the first at position ", first,
+         ") need the keys from position ", std::max<Index>(oldest, 0), " on, but the sequence ",
+         "keeps positions ", kept.first_recent, " .. ", seen - 1,
+         " only (attend at most as many queries as the last append's rows)");
+  }
+  ScoreRule<T> rule = make_rule(options, n, size, config.d_k);
+  rule.q_position = first;
+  rule.causal = true;
+  rule.window_left = window;
+  return rule;
+}
+
 }  // namespace detail
 
 /// Keys and values of a growing sequence, for autoregressive decoding, and attention over them.
@@ -431,53 +472,16 @@ class KVCache {
     }
   }
 
-  /// The absolute position of query 0: query_offset, or the last n positions.
-  Index first_query_position(const AttentionOptions<T>& options, Index n) const {
-    return options.query_offset ? *options.query_offset : position() - n;
-  }
-
-  /// The window a query sees: the cache's and the call's, whichever is narrower.
-  std::optional<Index> effective_window(const AttentionOptions<T>& options) const {
-    if (config_.window && options.window) return std::min(*config_.window, *options.window);
-    return config_.window ? config_.window : options.window;
-  }
-
+  /// The number of query heads of Q, its columns checked.
   template <class DQ>
-  Index check_queries(const char* function, const Eigen::MatrixBase<DQ>& Q,
-                      const AttentionOptions<T>& options, const HeadOptions<T>& per_head) const {
+  Index query_heads(const char* function, const Eigen::MatrixBase<DQ>& Q) const {
     const Index d_k = config_.d_k;
     if (Q.cols() == 0 || Q.cols() % (d_k * config_.kv_heads) != 0) {
       detail::fail(function, "Q_new has ", Q.cols(), " columns, not a positive multiple of ",
                    "kv_heads * d_k = ", config_.kv_heads * d_k, " (Q_new is ", detail::shape_of(Q),
                    ", d_k = ", d_k, ", kv_heads = ", config_.kv_heads, ")");
     }
-    if (!options.query_offset && Q.rows() > position()) {
-      detail::fail(function, "Q_new has ", Q.rows(), " rows but the cache has seen only ",
-                   position(), " positions (the queries are the last rows appended; Q_new is ",
-                   detail::shape_of(Q), ")");
-    }
-    if (options.causal == Causal::TopLeft && !options.query_offset) {
-      detail::fail(function, "attend is causal with bottom-right alignment; Causal::TopLeft would ",
-                   "hide the cache from the new queries (set query_offset to place the queries)");
-    }
-    const Index first = first_query_position(options, Q.rows());
-    if (config_.rope && first < 0) {
-      detail::fail(function, "query_offset is ", first, " but RoPE needs positions >= 0");
-    }
-    if (config_.rope) detail::checked_add(function, first, Q.rows(), "the queries' positions");
-    detail::check_options(function, options, Q.rows(), size());
-    const Index heads = Q.cols() / d_k;
-    detail::check_head_options(function, options, per_head, heads, Q.rows(), size());
-    const std::optional<Index> window = effective_window(options);
-    const Index oldest = window ? detail::saturating_sub(first, *window) : 0;
-    if (window && store_.dropped_any() && store_.first_recent() > oldest) {
-      detail::fail(function, Q.rows(), " queries with a window of ", *window,
-                   " (the first at position ", first, ") need the keys from position ",
-                   std::max<Index>(oldest, 0), " on, but the cache keeps positions ",
-                   store_.first_recent(), " .. ", position() - 1,
-                   " only (attend at most as many queries as the last append's rows)");
-    }
-    return heads;
+    return Q.cols() / d_k;
   }
 
   /// `attend`, with a variant when `variant` is not null (Variant `NoVariant` without).
@@ -488,8 +492,13 @@ class KVCache {
     static_assert(std::is_same_v<typename DQ::Scalar, T>,
                   "Q_new must have the cache's scalar type");
     const char* function = "KVCache::attend";
-    const Index heads = check_queries(function, Q_new, options, per_head);
-    const Index first = first_query_position(options, Q_new.rows());
+    const Index heads = query_heads(function, Q_new);
+    const detail::KeptBlocks kept{store_.pinned_held(), store_.recent_held(),
+                                  store_.first_recent()};
+    const detail::ScoreRule<T> rule =
+        detail::cache_rule(function, config_, position(), kept, store_.dropped_any(), options,
+                           per_head, heads, Q_new.rows());
+    const Index first = rule.q_position;
     if constexpr (!std::is_same_v<Variant, detail::NoVariant>) {
       detail::require_variant_positions(function, first, Q_new.rows(), 0, position());
     }
@@ -497,9 +506,9 @@ class KVCache {
     if (config_.rope) {
       Matrix<T> rotated = Q_new;
       detail::rope_kernel<T>(rotated, config_.d_k, first, *config_.rope, rope_table_);
-      attend_rows(rotated, heads, variant, options, per_head, first, out);
+      attend_rows(rotated, heads, variant, rule, per_head, kept, out);
     } else {
-      attend_rows(Q_new, heads, variant, options, per_head, first, out);
+      attend_rows(Q_new, heads, variant, rule, per_head, kept, out);
     }
   }
 
@@ -507,14 +516,8 @@ class KVCache {
   /// values read as stored by the cache's format.
   template <class Variant>
   void attend_rows(detail::ConstRef<T> Q, Index heads, const Variant* variant,
-                   const AttentionOptions<T>& options, const HeadOptions<T>& per_head, Index first,
-                   Matrix<T>& out) const {
-    detail::ScoreRule<T> rule = detail::make_rule(options, Q.rows(), size(), config_.d_k);
-    rule.q_position = first;
-    rule.causal = true;
-    rule.window_left = effective_window(options);
-    const detail::KeptBlocks blocks{store_.pinned_held(), store_.recent_held(),
-                                    store_.first_recent()};
+                   const detail::ScoreRule<T>& rule, const HeadOptions<T>& per_head,
+                   const detail::KeptBlocks& blocks, Matrix<T>& out) const {
     detail::with_codec<T>(config_.storage, [&](auto codec) {
       using Codec = decltype(codec);
       detail::attend_kept<T>(

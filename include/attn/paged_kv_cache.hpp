@@ -204,7 +204,7 @@ class PagedKVCache {
                    detail::shape_of(V_new), " but the cache needs r x ",
                    config_.kv_heads * config_.d_k, " and r x ", config_.kv_heads * config_.d_v);
     }
-    check_offsets(where, ids, cu_seqlens, K_new.rows());
+    check_offsets(where, "cu_seqlens", ids, cu_seqlens, K_new.rows(), "rows of K_new");
     // 1. Check every sequence and count the pages the call takes, before any change. A shared
     //    last page is copied by each sequence that appends into it but the last one holding it.
     Index needed = 0;
@@ -387,7 +387,7 @@ class PagedKVCache {
                    " columns, not a positive multiple of kv_heads * d_k = ", config_.kv_heads * d_k,
                    " (Q is ", detail::shape_of(Q), ")");
     }
-    check_offsets(where, ids, cu_seqlens_q, Q.rows(), "Q");
+    check_offsets(where, "cu_seqlens_q", ids, cu_seqlens_q, Q.rows(), "rows of Q");
     if (options.per_sequence() && options.size() != static_cast<Index>(ids.size())) {
       detail::fail(where, "the per-sequence options have ", options.size(),
                    " entries but there are ", ids.size(), " sequences");
@@ -405,11 +405,13 @@ class PagedKVCache {
     for (std::size_t b = 0; b < ids.size(); ++b) {
       const Sequence& s = sequence(where, ids[b]);
       const Index n = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
-      const std::string at = std::string(where) + " (sequence " + std::to_string(ids[b]) + ")";
       const AttentionOptions<T>& own = options.of(static_cast<Index>(b));
       const detail::KeptBlocks kept = kept_blocks(s);
       plans.push_back({cu_seqlens_q[b], n, &s, kept,
-                       sequence_rule(at.c_str(), s, kept, own, per_head, heads, n)});
+                       detail::naming_part(where, "sequence", ids[b], [&](const char* at) {
+                         return detail::cache_rule(at, config_, s.length, kept, s.dropped > 0, own,
+                                                   per_head, heads, n);
+                       })});
     }
     const Index d_v = config_.d_v;
     if (out.rows() != Q.rows() || out.cols() != heads * d_v) out.resize(Q.rows(), heads * d_v);
@@ -531,25 +533,14 @@ class PagedKVCache {
     }
   }
 
-  static void check_offsets(const char* where, const std::vector<SequenceId>& ids,
-                            const std::vector<int>& cu_seqlens, Index rows,
-                            const char* owner = "K_new") {
+  /// Checks a list of offsets (`detail::checked_offsets`) and its length: one per id, plus one.
+  static void check_offsets(const char* where, const char* name, const std::vector<SequenceId>& ids,
+                            const std::vector<int>& cu_seqlens, Index rows, const char* rows_of) {
     if (cu_seqlens.size() != ids.size() + 1) {
-      detail::fail(where, "cu_seqlens has ", cu_seqlens.size(), " entries but there are ",
-                   ids.size(), " sequences: it needs ", ids.size() + 1);
+      detail::fail(where, name, " has ", cu_seqlens.size(), " entries but there are ", ids.size(),
+                   " sequences: it needs ", ids.size() + 1);
     }
-    if (cu_seqlens.front() != 0)
-      detail::fail(where, "cu_seqlens[0] is ", cu_seqlens.front(), ", not 0");
-    for (std::size_t i = 1; i < cu_seqlens.size(); ++i) {
-      if (cu_seqlens[i] < cu_seqlens[i - 1]) {
-        detail::fail(where, "cu_seqlens decreases: cu_seqlens[", i - 1, "] = ", cu_seqlens[i - 1],
-                     " but cu_seqlens[", i, "] = ", cu_seqlens[i]);
-      }
-    }
-    if (cu_seqlens.back() != rows) {
-      detail::fail(where, "cu_seqlens ends at ", cu_seqlens.back(), " but ", owner, " has ", rows,
-                   " rows");
-    }
+    detail::checked_offsets(where, name, cu_seqlens, rows, rows_of);
   }
 
   int take_page() {
@@ -617,43 +608,6 @@ class PagedKVCache {
       page = -1;
       ++s.dropped;
     }
-  }
-
-  /// The rule of n queries of sequence s, as `KVCache::attend` builds and checks it.
-  detail::ScoreRule<T> sequence_rule(const char* where, const Sequence& s, detail::KeptBlocks kept,
-                                     const AttentionOptions<T>& options,
-                                     const HeadOptions<T>& per_head, Index heads, Index n) const {
-    const Index size = kept.pinned + kept.recent;
-    if (!options.query_offset && n > s.length) {
-      detail::fail(where, n, " queries but the sequence has only ", s.length,
-                   " tokens (the queries are its last tokens)");
-    }
-    if (options.causal == Causal::TopLeft && !options.query_offset) {
-      detail::fail(where, "attend is causal with bottom-right alignment; Causal::TopLeft would ",
-                   "hide the cache from the new queries (set query_offset to place the queries)");
-    }
-    const Index first = options.query_offset ? *options.query_offset : s.length - n;
-    if (config_.rope && first < 0) {
-      detail::fail(where, "query_offset is ", first, " but RoPE needs positions >= 0");
-    }
-    if (config_.rope) detail::checked_add(where, first, n, "the queries' positions");
-    detail::check_options(where, options, n, size);
-    detail::check_head_options(where, options, per_head, heads, n, size);
-    std::optional<Index> window = config_.window;
-    if (options.window) window = window ? std::min(*window, *options.window) : options.window;
-    const Index oldest = window ? detail::saturating_sub(first, *window) : 0;
-    if (window && s.dropped > 0 && kept.first_recent > oldest) {
-      detail::fail(where, n, " queries with a window of ", *window, " (the first at position ",
-                   first, ") need the keys from position ", std::max<Index>(oldest, 0),
-                   " on, but the sequence keeps positions ", kept.first_recent, " .. ",
-                   s.length - 1,
-                   " only (attend at most as many queries as the last append's rows)");
-    }
-    detail::ScoreRule<T> rule = detail::make_rule(options, n, size, config_.d_k);
-    rule.q_position = first;
-    rule.causal = true;
-    rule.window_left = window;
-    return rule;
   }
 
   /// One sequence's (rotated) queries over its kept blocks (`detail::attend_kept`), read from

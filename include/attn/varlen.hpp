@@ -141,9 +141,10 @@ ScoreRule<T> sequence_rule(const char* function, const SequenceOptions<T>& optio
   const AttentionOptions<T>& own = options.of(b);
   const Index n = at.queries(b);
   const Index m = at.keys(b);
-  const std::string where = std::string(function) + " (sequence " + std::to_string(b) + ")";
-  check_options(where.c_str(), own, n, m);
-  check_head_options(where.c_str(), own, per_head, heads, n, m);
+  naming_part(function, "sequence", b, [&](const char* where) {
+    check_options(where, own, n, m);
+    check_head_options(where, own, per_head, heads, n, m);
+  });
   return make_rule(own, n, m, d_k);
 }
 
