@@ -163,21 +163,21 @@ void BM_decode_phase(benchmark::State& state) {
           case 0: {
             // decode_tile's step 1 with the float arithmetic's kernels: the 4 x 4 blocks for
             // stored keys where the build has AVX-512, the key-by-key loop for the rest.
-            const auto* K_tile = k_data + j0 * head_dim;
+            const detail::StridedRows<std::remove_cv_t<std::remove_pointer_t<decltype(k_data)>>>
+                K_tile{k_data + j0 * head_dim, head_dim};
             const float* scales = k_scales ? k_scales + j0 : nullptr;
             Index done = 0;
 #if defined(EIGEN_VECTORIZE_AVX512)
             if constexpr (!std::is_same_v<Codec, detail::SameCodec<float>>) {
               done = detail::decode_scores_4x4<Codec>(scratch.q_scaled.data(), head_dim, K_tile,
-                                                      scales, head_dim, tile, head_dim, s, s_stride,
-                                                      none);
+                                                      scales, tile, head_dim, s, s_stride, none);
             }
 #endif
             if (done < tile) {
               detail::decode_scores<float, Codec>(heads, scratch.q_scaled.data(), head_dim,
-                                                  K_tile + done * head_dim,
-                                                  scales ? scales + done : nullptr, head_dim,
-                                                  tile - done, head_dim, s + done, s_stride, none);
+                                                  K_tile.from(done),
+                                                  scales ? scales + done : nullptr, tile - done,
+                                                  head_dim, s + done, s_stride, none);
             }
             break;
           }
@@ -188,9 +188,11 @@ void BM_decode_phase(benchmark::State& state) {
           case 2:
             // decode_tile's step 3: passes of 4 packets (64 columns) for 4 heads.
             for (Index c0 = 0; c0 < head_dim; c0 += 64) {
+              using VBits = std::remove_cv_t<std::remove_pointer_t<decltype(v_data)>>;
               detail::decode_values<float, Codec, 4>(
-                  heads, s, s_stride, scratch.alpha.data(), v_data + j0 * head_dim + c0, head_dim,
-                  tile, scratch.state.o.data() + c0, scratch.state.o.outerStride(), none);
+                  heads, s, s_stride, scratch.alpha.data(),
+                  detail::StridedRows<VBits>{v_data + j0 * head_dim + c0, head_dim}, tile,
+                  scratch.state.o.data() + c0, scratch.state.o.outerStride(), none);
             }
             break;
           default:

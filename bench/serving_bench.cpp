@@ -6,8 +6,8 @@
 // bottom-right; 8 query heads over 2 key/value heads, d = 64), on `threads` threads.
 // BM_per_sequence_flash: the same work as one `flash_attention` call per sequence and query head.
 // BM_paged_decode: one decoding step of a batch in one `PagedKVCache::attend` call (32 query heads
-// over 8 key/value heads, d = 128, float16 storage, pages of 16 tokens), its bytes_per_second the
-// keys and values it reads; BM_kvcache_loop: the same step as one `KVCache::attend` per sequence
+// over 8 key/value heads, d = 128, float16 storage, pages of 16 tokens, the default, or of 256:
+// page:256), its bytes_per_second the keys and values it reads; BM_kvcache_loop: the same step as one `KVCache::attend` per sequence
 // over the same rows. batch:0 is 32 sequences of mixed lengths (128k tokens in all), batch:1 64
 // sequences of 64 .. 512 tokens. BM_stream_sum: what the machine streams at all.
 // BM_cache_memory: the bytes 64 sequences of 100 .. 8000 tokens take in pages and in one KVCache
@@ -148,15 +148,18 @@ struct DecodeBatch {
   attn::Matrix<float> q;  // one query per sequence
   std::vector<int> offsets{0};
   std::int64_t bytes = 0;  // the keys and values a step reads
-  static attn::PagedKVCacheConfig<float> paged_config(const std::vector<int>& lengths) {
+  static attn::PagedKVCacheConfig<float> paged_config(const std::vector<int>& lengths,
+                                                      Index page_size) {
     attn::PagedKVCacheConfig<float> config;
     static_cast<attn::KVCacheConfig<float>&>(config) = decode_config();
+    config.page_size = page_size;
     Index pages = 0;
-    for (const int n : lengths) pages += (n + 15) / 16;
+    for (const int n : lengths) pages += (n + page_size - 1) / page_size;
     config.pages = pages;
     return config;
   }
-  explicit DecodeBatch(Index batch) : lengths(decode_lengths(batch)), paged(paged_config(lengths)) {
+  DecodeBatch(Index batch, Index page_size)
+      : lengths(decode_lengths(batch)), paged(paged_config(lengths, page_size)) {
     std::uint32_t seed = 10;
     for (const int n : lengths) {
       const attn::Matrix<float> K =
@@ -174,15 +177,19 @@ struct DecodeBatch {
   }
 };
 
-const DecodeBatch& decode_batch(Index batch) {
-  static const DecodeBatch mixed(0);
-  static const DecodeBatch short_ones(1);
-  return batch == 0 ? mixed : short_ones;
+/// The decoding batch `batch` in pages of `page_size` tokens (16, the default, or 256), made once.
+const DecodeBatch& decode_batch(Index batch, Index page_size = 16) {
+  static const DecodeBatch mixed(0, 16);
+  static const DecodeBatch short_ones(1, 16);
+  if (page_size == 16) return batch == 0 ? mixed : short_ones;
+  static const DecodeBatch mixed_256(0, 256);
+  static const DecodeBatch short_256(1, 256);
+  return batch == 0 ? mixed_256 : short_256;
 }
 
 void BM_paged_decode(benchmark::State& state) {
-  attn::set_num_threads(int(state.range(1)));
-  const DecodeBatch& x = decode_batch(state.range(0));
+  attn::set_num_threads(int(state.range(2)));
+  const DecodeBatch& x = decode_batch(state.range(0), state.range(1));
   attn::Matrix<float> out(x.q.rows(), decode_heads * decode_dim);
   for (auto _ : state) {
     x.paged.attend(x.ids, x.offsets, x.q, attn::AttentionOptions<float>{}, {}, out);
@@ -266,8 +273,8 @@ void thread_counts(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_varlen_prefill)->Apply(thread_counts);
 BENCHMARK(BM_per_sequence_flash)->Apply(thread_counts);
 BENCHMARK(BM_paged_decode)
-    ->ArgsProduct({{0, 1}, {2}})
-    ->ArgNames({"batch", "threads"})
+    ->ArgsProduct({{0, 1}, {16, 256}, {2}})
+    ->ArgNames({"batch", "page", "threads"})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 BENCHMARK(BM_kvcache_loop)

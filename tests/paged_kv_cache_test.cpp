@@ -1,15 +1,18 @@
 /// paged_kv_cache.hpp: a sequence's kept rows against a `KVCache` fed the same rows (bits, every
 /// storage format, RoPE), appends to many sequences in one call, fork and copy on write (the
 /// parent's rows unchanged after the child appends), removal, window eviction with pinned tokens,
-/// an exhausted pool leaving everything as it was, the exported page tables, bad input.
+/// an exhausted pool leaving everything as it was, the exported page tables, bad input; and
+/// `paged_attention` over a caller's own pool and page table (FlashInfer's CSR, vLLM's block table).
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <attn/kv_cache.hpp>
 #include <attn/paged_kv_cache.hpp>
 #include <attn/threads.hpp>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "test_support.hpp"
@@ -312,6 +315,7 @@ struct Twins {
   std::vector<Index> ids;
   std::vector<attn::KVCache<float>> caches;
   std::mt19937 rng{11};
+  Index query_heads = 4;
   Twins(const PagedKVCacheConfig<float>& c, std::size_t count)
       : paged(c), config(static_cast<const attn::KVCacheConfig<float>&>(c)) {
     for (std::size_t b = 0; b < count; ++b) {
@@ -334,7 +338,7 @@ struct Twins {
   void expect_attend(const std::vector<int>& n, const attn::AttentionOptions<float>& options = {}) {
     std::vector<int> offsets{0};
     for (const int k : n) offsets.push_back(offsets.back() + k);
-    const Matrix<float> Q = random_matrix<float>(offsets.back(), 4 * config.d_k, rng);
+    const Matrix<float> Q = random_matrix<float>(offsets.back(), query_heads * config.d_k, rng);
     const Matrix<float> out = paged.attend(ids, offsets, Q, options);
     for (std::size_t b = 0; b < ids.size(); ++b) {
       const Matrix<float> alone = caches[b].attend(Q.middleRows(offsets[b], n[b]), options);
@@ -382,6 +386,37 @@ TEST(PagedAttention, WindowsAndPinnedTokensAsKVCacheHasThem) {
   }
 }
 
+// Four query heads per key/value head take the decoding kernel's 4 x 4 score blocks and, with the
+// reduced arithmetic, its bfloat16 and int8 instructions, where the CPU has them. Pages of 6 rows
+// and a window that starts the recent block mid-page put page breaks inside the 4-key blocks (the
+// tiles read through their rows' addresses); pages of 128 rows hold whole tiles (read through a
+// stride) beside tiles across two pages.
+TEST(PagedAttention, BlocksAcrossPageBreaksKeepTheBits) {
+  for (const attn::KVStorage storage : {attn::KVStorage::Same, attn::KVStorage::Float16,
+                                        attn::KVStorage::BFloat16, attn::KVStorage::Int8}) {
+    for (const auto& [page_size, arithmetic] : {std::pair{6, attn::StoredArithmetic::Widened},
+                                                std::pair{6, attn::StoredArithmetic::Reduced},
+                                                std::pair{128, attn::StoredArithmetic::Widened},
+                                                std::pair{128, attn::StoredArithmetic::Reduced}}) {
+      SCOPED_TRACE(std::to_string(int(storage)) + " " + std::to_string(page_size) + " " +
+                   std::to_string(int(arithmetic)));
+      PagedKVCacheConfig<float> c = wide(page_size, 1024 * 6 / page_size, storage);
+      c.window = 141;
+      c.pinned_tokens = 3;
+      Twins x(c, 3);
+      x.query_heads = 8;
+      attn::AttentionOptions<float> options;
+      options.stored_arithmetic = arithmetic;
+      x.append({700, 9, 130});
+      x.expect_attend({1, 1, 1}, options);
+      for (int step = 0; step < 3; ++step) {
+        x.append({1, 1, 1});
+        x.expect_attend({1, 1, 1}, options);
+      }
+    }
+  }
+}
+
 TEST(PagedAttention, TheBitsDoNotDependOnTheThreadCount) {
   PagedKVCacheConfig<float> c = wide(16, 512, attn::KVStorage::Float16);
   Twins x(c, 4);
@@ -424,6 +459,130 @@ TEST(PagedAttention, BadCallsAreShapeErrors) {
         paged.attend({a}, {0, 1}, Q.topRows(1), two);
       },
       {"per-sequence options have 2 entries"});
+}
+
+/// A caller's pool in vLLM's layout holding sequences of random rows in shuffled pages, and beside
+/// each sequence a `KVCache` in the matching format fed the same rows.
+template <class E>
+struct CallerPool {
+  static constexpr Index kv_heads = 2, d = 32, page_size = 16, pages = 40;
+  std::vector<E> keys, values;
+  attn::CsrPageTable table;
+  std::vector<attn::KVCache<float>> caches;
+  std::mt19937 rng{5};
+  explicit CallerPool(const std::vector<Index>& lengths)
+      : keys(std::size_t(pages * kv_heads * page_size * d)), values(keys.size()) {
+    std::vector<int> free(pages);
+    for (int p = 0; p < pages; ++p) free[std::size_t(p)] = p;
+    std::shuffle(free.begin(), free.end(), rng);
+    attn::KVCacheConfig<float> c;
+    c.d_k = c.d_v = d;
+    c.kv_heads = kv_heads;
+    c.storage = std::is_same_v<E, float>         ? attn::KVStorage::Same
+                : std::is_same_v<E, Eigen::half> ? attn::KVStorage::Float16
+                                                 : attn::KVStorage::BFloat16;
+    table.indptr.push_back(0);
+    for (const Index length : lengths) {
+      const Rows x(length, rng, d);
+      caches.emplace_back(c);
+      caches.back().append(x.K, x.V);
+      for (Index p = 0; p < length; ++p) {
+        if (p % page_size == 0) table.indices.push_back(free[table.indices.size()]);
+        const Index page = table.indices.back();
+        for (Index h = 0; h < kv_heads; ++h) {
+          for (Index i = 0; i < d; ++i) {
+            const auto at =
+                std::size_t(((page * kv_heads + h) * page_size + p % page_size) * d + i);
+            keys[at] = E(x.K(p, h * d + i));
+            values[at] = E(x.V(p, h * d + i));
+          }
+        }
+      }
+      table.indptr.push_back(int(table.indices.size()));
+      table.last_page_len.push_back(length == 0 ? 0 : int((length - 1) % page_size + 1));
+    }
+  }
+  attn::PagePool<E> pool() const {
+    attn::PagePool<E> p;
+    p.keys = keys.data();
+    p.values = values.data();
+    p.pages = pages;
+    p.kv_heads = kv_heads;
+    p.page_size = page_size;
+    p.d_k = p.d_v = d;
+    return p;
+  }
+};
+
+template <class E>
+void expect_caller_pool_bits() {
+  CallerPool<E> x({300, 1, 0, 45});
+  const std::vector<int> cu{0, 1, 2, 2, 7};
+  const Matrix<float> Q = random_matrix<float>(7, 4 * CallerPool<E>::d, x.rng);
+  attn::AttentionOptions<float> options;
+  options.softcap = 20.0f;
+  const Matrix<float> out = attn::paged_attention(x.pool(), x.table, cu, Q, options);
+  for (std::size_t b = 0; b < x.caches.size(); ++b) {
+    const Index n = cu[b + 1] - cu[b];
+    if (n == 0) continue;
+    EXPECT_TRUE(
+        same_bits(out.middleRows(cu[b], n), x.caches[b].attend(Q.middleRows(cu[b], n), options)))
+        << "sequence " << b;
+  }
+  // vLLM's block table of the same pages gives the same bits.
+  attn::BlockTable blocks;
+  blocks.block_tables.setConstant(4, 19, -1);
+  for (Index b = 0; b < 4; ++b) {
+    const int first = x.table.indptr[std::size_t(b)];
+    for (int i = first; i < x.table.indptr[std::size_t(b) + 1]; ++i) {
+      blocks.block_tables(b, i - first) = x.table.indices[std::size_t(i)];
+    }
+  }
+  blocks.seq_lens = {300, 1, 0, 45};
+  EXPECT_TRUE(same_bits(attn::paged_attention(x.pool(), blocks, cu, Q, options), out));
+}
+
+TEST(CallerPagedAttention, EachSequenceHasTheBitsOfItsOwnKVCache) {
+  expect_caller_pool_bits<float>();
+  expect_caller_pool_bits<Eigen::half>();
+  expect_caller_pool_bits<Eigen::bfloat16>();
+}
+
+TEST(CallerPagedAttention, BadTablesAreShapeErrors) {
+  CallerPool<float> x({20, 3});
+  const Matrix<float> Q = random_matrix<float>(2, 4 * CallerPool<float>::d, x.rng);
+  const Matrix<float> Q5 = random_matrix<float>(5, 4 * CallerPool<float>::d, x.rng);
+  const std::vector<int> cu{0, 1, 2};
+  attn::CsrPageTable table = x.table;
+  table.indices[1] = 40;
+  expect_shape_error([&] { attn::paged_attention(x.pool(), table, cu, Q); },
+                     {"paged_attention", "indices[1] = 40", "outside the pool (0 .. 39)"});
+  table = x.table;
+  table.last_page_len[0] = 17;
+  expect_shape_error([&] { attn::paged_attention(x.pool(), table, cu, Q); },
+                     {"last_page_len[0] = 17"});
+  table = x.table;
+  table.indptr = {0, 2, 4};
+  expect_shape_error([&] { attn::paged_attention(x.pool(), table, cu, Q); },
+                     {"indptr ends at 4", "3 page indices"});
+  expect_shape_error(
+      [&] {
+        attn::paged_attention(x.pool(), x.table, {0, 1, 3}, Q);
+      },
+      {"cu_seqlens_q ends at 3"});
+  expect_shape_error(
+      [&] {
+        attn::paged_attention(x.pool(), x.table, {0, 1, 5}, Q5);
+      },
+      {"paged_attention (sequence 1)", "4 queries", "seen only 3 positions"});
+  attn::BlockTable blocks;
+  blocks.block_tables.setConstant(2, 1, 0);
+  blocks.seq_lens = {20, 3};
+  expect_shape_error([&] { attn::paged_attention(x.pool(), blocks, cu, Q); },
+                     {"seq_lens[0] = 20 needs 2 pages", "block_tables has 1 columns"});
+  attn::PagePool<float> empty = x.pool();
+  empty.page_size = 0;
+  expect_shape_error([&] { attn::paged_attention(empty, x.table, cu, Q); }, {"pool.page_size"});
 }
 
 }  // namespace paged_kv_cache_test

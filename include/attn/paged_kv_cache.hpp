@@ -52,6 +52,122 @@ struct BlockTable {
   std::vector<int> seq_lens;  ///< tokens per sequence
 };
 
+/// A caller's pool of pages in vLLM's layout `[pages, kv_heads, page_size, d]`: page p's rows of
+/// key/value head h are rows `(p kv_heads + h) page_size` on, each of d_k (keys) or d_v (values)
+/// contiguous elements of E: the scalar type T, `Eigen::half` or `Eigen::bfloat16` (vLLM's and
+/// FlashInfer's 16-bit caches). The pool is read, never written; it must outlive the call.
+template <class E>
+struct PagePool {
+  const E* keys = nullptr;    ///< pages x kv_heads x page_size x d_k elements
+  const E* values = nullptr;  ///< pages x kv_heads x page_size x d_v elements
+  Index pages = 0;            ///< pages in the pool, >= 1
+  Index kv_heads = 1;         ///< key/value heads, >= 1
+  Index page_size = 16;       ///< tokens per page, >= 1
+  Index d_k = 0;              ///< width of a key head, >= 1
+  Index d_v = 0;              ///< width of a value head, >= 1
+};
+
+namespace detail {
+
+/// A pool of pages as the kernels read it: keys and values stored by `Codec` (int8 rows with one
+/// scale each), `kv_heads` blocks of `page_size` rows per page.
+template <class Codec, class T>
+struct PoolView {
+  const typename Codec::Bits* keys;
+  const T* key_scales;
+  const typename Codec::Bits* values;
+  const T* value_scales;
+  Index page_size, kv_heads, d_k, d_v;
+
+  /// Rows [first, first + count) of key/value head `head` of the sequence whose pages are `pages`.
+  PagedRows<Codec, T> key_rows(const int* pages, Index head, Index first, Index count) const {
+    return {keys, key_scales, pages, page_size, kv_heads, head, first, count, d_k};
+  }
+  PagedRows<Codec, T> value_rows(const int* pages, Index head, Index first, Index count) const {
+    return {values, value_scales, pages, page_size, kv_heads, head, first, count, d_v};
+  }
+};
+
+/// One sequence of a paged attention call: its queries (rows [q0, q0 + n) of the packed Q), its
+/// page table, its kept keys and its checked rule.
+template <class T>
+struct PagedPlan {
+  Index q0, n;
+  const int* pages;
+  KeptBlocks kept;
+  ScoreRule<T> rule;
+};
+
+/// The sequences of a paged attention call, each as `KVCache::attend` attends a cache holding its
+/// tokens (`attend_kept`), in parallel, longest first (each runs its heads on the thread that
+/// takes it). With `rope`, each sequence's queries are rotated for their positions first.
+template <class T, class Codec>
+void attend_paged(const PoolView<Codec, T>& pool, const std::vector<PagedPlan<T>>& plans,
+                  const ConstRef<T>& Q, Index heads, const HeadOptions<T>& per_head,
+                  const std::optional<RopeStyle>& rope, const RopeTable& rope_table,
+                  Matrix<T>& out) {
+  std::vector<std::size_t> order(plans.size());
+  for (std::size_t b = 0; b < order.size(); ++b) order[b] = b;
+  const auto cost = [&](std::size_t b) {
+    return double(plans[b].n) * double(plans[b].kept.pinned + plans[b].kept.recent);
+  };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t c) { return cost(a) > cost(c); });
+  parallel_for<Matrix<T>>(static_cast<Index>(order.size()), [&](Index t, Matrix<T>& rotated) {
+    const PagedPlan<T>& plan = plans[order[static_cast<std::size_t>(t)]];
+    if (plan.n == 0) return;
+    if (rope) {
+      rotated = Q.middleRows(plan.q0, plan.n);
+      rope_kernel<T>(rotated, pool.d_k, plan.rule.q_position, *rope, rope_table);
+    }
+    const ConstRef<T> q = rope ? ConstRef<T>(rotated) : ConstRef<T>(Q.middleRows(plan.q0, plan.n));
+    const auto keys = [&](Index first, Index count) {
+      return [&pool, &plan, first, count](Index kv) {
+        return pool.key_rows(plan.pages, kv, first, count);
+      };
+    };
+    const auto values = [&](Index first, Index count) {
+      return [&pool, &plan, first, count](Index kv) {
+        return pool.value_rows(plan.pages, kv, first, count);
+      };
+    };
+    const KeptBlocks& kept = plan.kept;
+    attend_kept<T>(q, heads, heads / pool.kv_heads, static_cast<const NoVariant*>(nullptr),
+                   plan.rule, per_head, kept, keys(0, kept.pinned), values(0, kept.pinned),
+                   keys(kept.first_recent, kept.recent), values(kept.first_recent, kept.recent),
+                   out.middleRows(plan.q0, plan.n));
+  });
+}
+
+/// The codec of a caller's pool element E for scalar type T.
+template <class E, class T>
+struct pool_codec {
+  static_assert(std::is_same_v<E, T>, "a page pool holds T, Eigen::half or Eigen::bfloat16");
+  using type = SameCodec<T>;
+};
+template <class T>
+struct pool_codec<Eigen::half, T> {
+  using type = Float16Codec;
+};
+template <class T>
+struct pool_codec<Eigen::bfloat16, T> {
+  using type = BFloat16Codec;
+};
+
+/// Checks Q's columns against kv_heads and d_k; returns the query heads.
+template <class DQ>
+Index packed_query_heads(const char* function, const Eigen::MatrixBase<DQ>& Q, Index kv_heads,
+                         Index d_k) {
+  if (Q.cols() == 0 || Q.cols() % (d_k * kv_heads) != 0) {
+    fail(function, "Q has ", Q.cols(),
+         " columns, not a positive multiple of kv_heads * d_k = ", kv_heads * d_k, " (Q is ",
+         shape_of(Q), ")");
+  }
+  return Q.cols() / d_k;
+}
+
+}  // namespace detail
+
 /// Keys and values of many sequences in one pool of pages.
 ///
 /// Storage: the pool holds `pages` pages; page p keeps, for each key/value head, `page_size` key
@@ -277,14 +393,14 @@ class PagedKVCache {
   /// \param kv_head  0 to kv_heads - 1
   /// \returns kept x d_k
   Matrix<T> keys(SequenceId id, Index kv_head = 0) const {
-    return gathered("PagedKVCache::keys", keys_, id, kv_head);
+    return gathered("PagedKVCache::keys", false, id, kv_head);
   }
   /// A sequence's kept values of one key/value head, widened to T.
   /// \param id       an existing sequence
   /// \param kv_head  0 to kv_heads - 1
   /// \returns kept x d_v
   Matrix<T> values(SequenceId id, Index kv_head = 0) const {
-    return gathered("PagedKVCache::values", values_, id, kv_head);
+    return gathered("PagedKVCache::values", true, id, kv_head);
   }
 
   /// The page tables of `ids` in FlashInfer's CSR form (`paged_kv_indptr`, `paged_kv_indices`,
@@ -381,63 +497,34 @@ class PagedKVCache {
               const HeadOptions<detail::identity_t<T>>& per_head, Matrix<T>& out) const {
     static_assert(std::is_same_v<typename DQ::Scalar, T>, "Q must have the cache's scalar type");
     const char* where = "PagedKVCache::attend";
-    const Index d_k = config_.d_k;
-    if (Q.cols() == 0 || Q.cols() % (d_k * config_.kv_heads) != 0) {
-      detail::fail(where, "Q has ", Q.cols(),
-                   " columns, not a positive multiple of kv_heads * d_k = ", config_.kv_heads * d_k,
-                   " (Q is ", detail::shape_of(Q), ")");
-    }
+    const Index heads = detail::packed_query_heads(where, Q, config_.kv_heads, config_.d_k);
     check_offsets(where, "cu_seqlens_q", ids, cu_seqlens_q, Q.rows(), "rows of Q");
     if (options.per_sequence() && options.size() != static_cast<Index>(ids.size())) {
       detail::fail(where, "the per-sequence options have ", options.size(),
                    " entries but there are ", ids.size(), " sequences");
     }
-    const Index heads = Q.cols() / d_k;
     // 1. Every sequence's rule, checked before anything is computed.
-    struct Plan {
-      Index q0, n;
-      const Sequence* s;
-      detail::KeptBlocks kept;
-      detail::ScoreRule<T> rule;
-    };
-    std::vector<Plan> plans;
+    std::vector<detail::PagedPlan<T>> plans;
     plans.reserve(ids.size());
     for (std::size_t b = 0; b < ids.size(); ++b) {
       const Sequence& s = sequence(where, ids[b]);
       const Index n = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
       const AttentionOptions<T>& own = options.of(static_cast<Index>(b));
       const detail::KeptBlocks kept = kept_blocks(s);
-      plans.push_back({cu_seqlens_q[b], n, &s, kept,
+      plans.push_back({cu_seqlens_q[b], n, s.pages.data(), kept,
                        detail::naming_part(where, "sequence", ids[b], [&](const char* at) {
                          return detail::cache_rule(at, config_, s.length, kept, s.dropped > 0, own,
                                                    per_head, heads, n);
                        })});
     }
-    const Index d_v = config_.d_v;
-    if (out.rows() != Q.rows() || out.cols() != heads * d_v) out.resize(Q.rows(), heads * d_v);
-    // 2. The sequences, longest first (each runs its heads on the calling thread's share).
-    std::vector<std::size_t> order(plans.size());
-    for (std::size_t b = 0; b < order.size(); ++b) order[b] = b;
-    const auto cost = [&](std::size_t b) {
-      return double(plans[b].n) * double(plans[b].kept.pinned + plans[b].kept.recent);
-    };
-    std::stable_sort(order.begin(), order.end(),
-                     [&](std::size_t a, std::size_t c) { return cost(a) > cost(c); });
-    const Eigen::Ref<const Matrix<T>> queries = Q;
-    detail::parallel_for<Matrix<T>>(
-        static_cast<Index>(order.size()), [&](Index t, Matrix<T>& rotated) {
-          const Plan& plan = plans[order[static_cast<std::size_t>(t)]];
-          if (plan.n == 0) return;
-          if (config_.rope) {
-            rotated = queries.middleRows(plan.q0, plan.n);
-            detail::rope_kernel<T>(rotated, d_k, plan.rule.q_position, *config_.rope, rope_table_);
-          }
-          const detail::ConstRef<T> q =
-              config_.rope ? detail::ConstRef<T>(rotated)
-                           : detail::ConstRef<T>(queries.middleRows(plan.q0, plan.n));
-          attend_sequence(q, heads, *plan.s, plan.kept, plan.rule, per_head,
-                          out.middleRows(plan.q0, plan.n));
-        });
+    if (out.rows() != Q.rows() || out.cols() != heads * config_.d_v) {
+      out.resize(Q.rows(), heads * config_.d_v);
+    }
+    // 2. The sequences (`detail::attend_paged`).
+    detail::with_codec<T>(config_.storage, [&](auto codec) {
+      detail::attend_paged<T>(pool_view<decltype(codec)>(), plans, Q, heads, per_head, config_.rope,
+                              rope_table_, out);
+    });
   }
 
   /// `attend` returning total_q x (heads d_v) (see the overload into caller storage).
@@ -610,26 +697,6 @@ class PagedKVCache {
     }
   }
 
-  /// One sequence's (rotated) queries over its kept blocks (`detail::attend_kept`), read from
-  /// the pool through `PagedRows`.
-  void attend_sequence(detail::ConstRef<T> Q, Index heads, const Sequence& s,
-                       detail::KeptBlocks kept, const detail::ScoreRule<T>& rule,
-                       const HeadOptions<T>& per_head, Eigen::Ref<Matrix<T>> out) const {
-    detail::with_codec<T>(config_.storage, [&](auto codec) {
-      using Codec = decltype(codec);
-      const auto rows = [&](const detail::StoredRows<T>& pool, Index first, Index count) {
-        return [this, &s, from = &pool, first, count](Index kv) {
-          return paged_rows<Codec>(*from, s, kv, first, count);
-        };
-      };
-      detail::attend_kept<T>(Q, heads, heads / config_.kv_heads,
-                             static_cast<const detail::NoVariant*>(nullptr), rule, per_head, kept,
-                             rows(keys_, 0, kept.pinned), rows(values_, 0, kept.pinned),
-                             rows(keys_, kept.first_recent, kept.recent),
-                             rows(values_, kept.first_recent, kept.recent), out);
-    });
-  }
-
   /// The kept blocks of a sequence: the pinned tokens (with a window), then the tokens from the
   /// first kept page after the pinned pages on (from the first unpinned token while no page has
   /// been let go).
@@ -647,37 +714,41 @@ class PagedKVCache {
     return kept;
   }
 
-  /// Rows [first, first + count) of a sequence's key/value head `head` in `pool`, as the kernels
-  /// read them.
+  /// The pool as the kernels read it, in the format `Codec`.
   template <class Codec>
-  detail::PagedRows<Codec, T> paged_rows(const detail::StoredRows<T>& pool, const Sequence& s,
-                                         Index head, Index first, Index count) const {
-    const typename Codec::Bits* data = nullptr;
-    const T* scales = nullptr;
+  detail::PoolView<Codec, T> pool_view() const {
+    detail::PoolView<Codec, T> view{nullptr,           nullptr,          nullptr,     nullptr,
+                                    config_.page_size, config_.kv_heads, config_.d_k, config_.d_v};
     if constexpr (std::is_same_v<Codec, detail::SameCodec<T>>) {
-      data = pool.same().data();
+      view.keys = keys_.same().data();
+      view.values = values_.same().data();
     } else {
-      const auto all = pool.template block<Codec>(0, pool.rows());
-      data = all.data();
-      scales = all.scales();
+      const auto keys = keys_.template block<Codec>(0, keys_.rows());
+      const auto values = values_.template block<Codec>(0, values_.rows());
+      view.keys = keys.data();
+      view.key_scales = keys.scales();
+      view.values = values.data();
+      view.value_scales = values.scales();
     }
-    return detail::PagedRows<Codec, T>(data, scales, s.pages.data(), config_.page_size,
-                                       config_.kv_heads, head, first, count, pool.cols());
+    return view;
   }
 
-  Matrix<T> gathered(const char* where, const detail::StoredRows<T>& pool, SequenceId id,
-                     Index kv_head) const {
+  /// The kept keys (`values` false) or values of a sequence's key/value head, widened to T.
+  Matrix<T> gathered(const char* where, bool values, SequenceId id, Index kv_head) const {
     require_head(where, kv_head);
     const Sequence& s = sequence(where, id);
     const detail::KeptBlocks kept = kept_blocks(s);
-    Matrix<T> out(kept.pinned + kept.recent, pool.cols());
+    Matrix<T> out(kept.pinned + kept.recent, values ? config_.d_v : config_.d_k);
     detail::with_codec<T>(config_.storage, [&](auto codec) {
       using Codec = decltype(codec);
+      const detail::PoolView<Codec, T> pool = pool_view<Codec>();
       detail::GatherBuffer<T> buffer;
       Matrix<T> rows;
       const auto copy = [&](Index first, Index count, Index to) {
         const auto block =
-            detail::gathered(paged_rows<Codec>(pool, s, kv_head, first, count), 0, count, buffer);
+            detail::gathered(values ? pool.value_rows(s.pages.data(), kv_head, first, count)
+                                    : pool.key_rows(s.pages.data(), kv_head, first, count),
+                             0, count, buffer);
         if constexpr (std::is_same_v<Codec, detail::SameCodec<T>>) {
           out.middleRows(to, count) = block;
         } else {
@@ -700,5 +771,179 @@ class PagedKVCache {
   SequenceId next_id_ = 0;
   detail::RopeTable rope_table_;
 };
+
+namespace detail {
+
+/// Checks a caller's pool and CSR page table against a batch of `batch` sequences; returns each
+/// sequence's length in tokens.
+template <class E>
+std::vector<Index> checked_page_table(const char* function, const PagePool<E>& pool,
+                                      const CsrPageTable& table, std::size_t batch) {
+  require_positive_size(function, "pool.pages", pool.pages);
+  require_positive_size(function, "pool.kv_heads", pool.kv_heads);
+  require_positive_size(function, "pool.page_size", pool.page_size);
+  require_positive_size(function, "pool.d_k", pool.d_k);
+  require_positive_size(function, "pool.d_v", pool.d_v);
+  if (!pool.keys || !pool.values)
+    fail(function, "pool.keys and pool.values must point to the pool");
+  if (table.indptr.size() != batch + 1) {
+    fail(function, "indptr has ", table.indptr.size(), " entries but there are ", batch,
+         " sequences: it needs ", batch + 1);
+  }
+  checked_offsets(function, "indptr", table.indptr, static_cast<Index>(table.indices.size()),
+                  "page indices");
+  if (table.last_page_len.size() != batch) {
+    fail(function, "last_page_len has ", table.last_page_len.size(), " entries but there are ",
+         batch, " sequences");
+  }
+  for (std::size_t i = 0; i < table.indices.size(); ++i) {
+    if (table.indices[i] < 0 || table.indices[i] >= pool.pages) {
+      fail(function, "indices[", i, "] = ", table.indices[i],
+           " names a page outside the pool (0 .. ", pool.pages - 1, ")");
+    }
+  }
+  std::vector<Index> lengths(batch);
+  for (std::size_t b = 0; b < batch; ++b) {
+    const Index pages = table.indptr[b + 1] - table.indptr[b];
+    const Index last = table.last_page_len[b];
+    if (pages == 0 ? last != 0 : last < 1 || last > pool.page_size) {
+      fail(function, "last_page_len[", b, "] = ", last, " but sequence ", b, " has ", pages,
+           " pages of ", pool.page_size, " tokens (1 .. page_size tokens in its last page; 0 ",
+           "without pages)");
+    }
+    lengths[b] = pages == 0 ? 0 : (pages - 1) * pool.page_size + last;
+  }
+  return lengths;
+}
+
+/// A vLLM block table as the CSR table of the same pages (checked: each sequence's pages listed,
+/// -1 only after them).
+inline CsrPageTable csr_of(const char* function, const BlockTable& table, Index page_size) {
+  const Index batch = table.block_tables.rows();
+  if (static_cast<Index>(table.seq_lens.size()) != batch) {
+    fail(function, "seq_lens has ", table.seq_lens.size(), " entries but block_tables has ", batch,
+         " rows");
+  }
+  CsrPageTable csr;
+  csr.indptr.push_back(0);
+  for (Index b = 0; b < batch; ++b) {
+    const Index length = table.seq_lens[static_cast<std::size_t>(b)];
+    const Index pages = (length + page_size - 1) / page_size;
+    if (length < 0 || pages > table.block_tables.cols()) {
+      fail(function, "seq_lens[", b, "] = ", length, " needs ", std::max<Index>(pages, 0),
+           " pages of ", page_size, " tokens but block_tables has ", table.block_tables.cols(),
+           " columns");
+    }
+    for (Index i = 0; i < pages; ++i) csr.indices.push_back(table.block_tables(b, i));
+    csr.indptr.push_back(static_cast<int>(csr.indices.size()));
+    csr.last_page_len.push_back(
+        static_cast<int>(length - std::max<Index>(pages - 1, 0) * page_size));
+  }
+  return csr;
+}
+
+}  // namespace detail
+
+/// Attention of a packed batch of queries over a caller's own paged cache: `pool` in vLLM's
+/// layout, `table` FlashInfer's CSR page table (a `BlockTable` overload takes vLLM's). Sequence b's
+/// keys and values are the tokens its pages hold, in table order; its queries, rows
+/// [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of Q, are its last positions (bottom-right causal, as
+/// `PagedKVCache::attend` places them; `query_offset` places them elsewhere), and its options are
+/// `options.of(b)`. The keys are used as stored (rotate them, and the queries, before the call
+/// for RoPE). Each sequence's result has the bits of `PagedKVCache::attend` over the same tokens
+/// in a cache of the same format, any thread count.
+/// \param pool          the caller's pages (T, Eigen::half or Eigen::bfloat16)
+/// \param table         batch sequences' pages: indptr (batch + 1), indices, last_page_len
+/// \param cu_seqlens_q  batch + 1 offsets of the queries in Q
+/// \param Q             total_q x (heads d_k), heads a multiple of pool.kv_heads
+/// \param options       shared or per-sequence options (mask and bias n_b x m_b)
+/// \param per_head      per-query-head slopes and sinks
+/// \param out           resized to total_q x (heads d_v)
+/// \throws shape_error on a pool of non-positive sizes, offsets that do not fit, a page index
+///         outside the pool, a last_page_len that does not fit its page, or options that do not
+///         fit a sequence (naming it); nothing is computed then.
+template <class E, class DQ>
+void paged_attention(const PagePool<E>& pool, const CsrPageTable& table,
+                     const std::vector<int>& cu_seqlens_q, const Eigen::MatrixBase<DQ>& Q,
+                     const SequenceOptions<typename DQ::Scalar>& options,
+                     const HeadOptions<typename DQ::Scalar>& per_head,
+                     Matrix<typename DQ::Scalar>& out) {
+  using T = typename DQ::Scalar;
+  using Codec = typename detail::pool_codec<E, T>::type;
+  const char* where = "paged_attention";
+  detail::checked_offsets(where, "cu_seqlens_q", cu_seqlens_q, Q.rows(), "rows of Q");
+  const std::size_t batch = cu_seqlens_q.size() - 1;
+  const std::vector<Index> lengths = detail::checked_page_table(where, pool, table, batch);
+  const Index heads = detail::packed_query_heads(where, Q, pool.kv_heads, pool.d_k);
+  if (options.per_sequence() && options.size() != static_cast<Index>(batch)) {
+    detail::fail(where, "the per-sequence options have ", options.size(), " entries but there are ",
+                 batch, " sequences");
+  }
+  KVCacheConfig<T> config;
+  config.d_k = pool.d_k;
+  config.d_v = pool.d_v;
+  config.kv_heads = pool.kv_heads;
+  std::vector<detail::PagedPlan<T>> plans;
+  plans.reserve(batch);
+  for (std::size_t b = 0; b < batch; ++b) {
+    const Index n = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+    const detail::KeptBlocks kept{0, lengths[b], 0};
+    const AttentionOptions<T>& own = options.of(static_cast<Index>(b));
+    plans.push_back(
+        {cu_seqlens_q[b], n, table.indices.data() + table.indptr[b], kept,
+         detail::naming_part(where, "sequence", static_cast<long long>(b), [&](const char* at) {
+           return detail::cache_rule(at, config, lengths[b], kept, false, own, per_head, heads, n);
+         })});
+  }
+  if (out.rows() != Q.rows() || out.cols() != heads * pool.d_v)
+    out.resize(Q.rows(), heads * pool.d_v);
+  const detail::PoolView<Codec, T> view{reinterpret_cast<const typename Codec::Bits*>(pool.keys),
+                                        nullptr,
+                                        reinterpret_cast<const typename Codec::Bits*>(pool.values),
+                                        nullptr,
+                                        pool.page_size,
+                                        pool.kv_heads,
+                                        pool.d_k,
+                                        pool.d_v};
+  detail::attend_paged<T>(view, plans, Q, heads, per_head, std::nullopt, detail::RopeTable{}, out);
+}
+
+/// `paged_attention` returning total_q x (heads d_v) (see the overload into caller storage).
+/// \param pool          the caller's pages
+/// \param table         FlashInfer's CSR page table of the batch
+/// \param cu_seqlens_q  batch + 1 offsets of the queries in Q
+/// \param Q             total_q x (heads d_k)
+/// \param options       shared or per-sequence options
+/// \param per_head      per-query-head slopes and sinks
+/// \returns total_q x (heads d_v)
+template <class E, class DQ>
+Matrix<typename DQ::Scalar> paged_attention(
+    const PagePool<E>& pool, const CsrPageTable& table, const std::vector<int>& cu_seqlens_q,
+    const Eigen::MatrixBase<DQ>& Q, const SequenceOptions<typename DQ::Scalar>& options = {},
+    const HeadOptions<typename DQ::Scalar>& per_head = {}) {
+  Matrix<typename DQ::Scalar> out;
+  paged_attention(pool, table, cu_seqlens_q, Q, options, per_head, out);
+  return out;
+}
+
+/// `paged_attention` over vLLM's page table (`block_tables`, `seq_lens`), as the same pages in
+/// the CSR form.
+/// \param pool          the caller's pages
+/// \param table         vLLM's block table of the batch
+/// \param cu_seqlens_q  batch + 1 offsets of the queries in Q
+/// \param Q             total_q x (heads d_k)
+/// \param options       shared or per-sequence options
+/// \param per_head      per-query-head slopes and sinks
+/// \returns total_q x (heads d_v)
+/// \throws shape_error as the CSR overload, and for seq_lens that do not fit block_tables.
+template <class E, class DQ>
+Matrix<typename DQ::Scalar> paged_attention(
+    const PagePool<E>& pool, const BlockTable& table, const std::vector<int>& cu_seqlens_q,
+    const Eigen::MatrixBase<DQ>& Q, const SequenceOptions<typename DQ::Scalar>& options = {},
+    const HeadOptions<typename DQ::Scalar>& per_head = {}) {
+  detail::require_positive_size("paged_attention", "pool.page_size", pool.page_size);
+  return paged_attention(pool, detail::csr_of("paged_attention", table, pool.page_size),
+                         cu_seqlens_q, Q, options, per_head);
+}
 
 }  // namespace attn

@@ -39,6 +39,11 @@ struct DecodeScratch {
   bool i8_scores = false;          ///< this step's int8 keys go through `vpdpbusd`
   bool i16_values = false;         ///< this step's int8 values go through `vpdpwssd`
   GatherBuffer<T> k_tile, v_tile;  ///< a tile of paged keys and values, gathered (`PagedRows`)
+  /// A paged tile's rows where they are (`ListedRows`): the addresses of this tile's and the next
+  /// tile's key rows, this tile's value rows, and their int8 scales.
+  const char* k_at[2][64];
+  const char* v_at[64];
+  T k_scales[2][64], v_scales[64];
 };
 
 template <class T>
@@ -99,6 +104,55 @@ struct PrefetchRows {
   }
 };
 
+/// `PrefetchRows` for rows at listed addresses (a paged tile, `ListedRows`): row r is the `bytes`
+/// bytes at `at[r]`. A type of its own rather than a case of `PrefetchRows`: a branch between the
+/// two in each row's request made the step on contiguous rows read through their addresses 1.24x
+/// slower than through a stride.
+struct ListedPrefetch {
+  const char* const* at = nullptr;
+  Index bytes = 0;
+  Index rows = 0;
+
+  EIGEN_STRONG_INLINE void row(Index r) const {
+    if (r >= rows) return;
+    for (Index c = 0; c < bytes; c += 64) prefetch_line(at[r] + c);
+  }
+  EIGEN_STRONG_INLINE void block(Index r) const {
+    for (Index i = r; i < std::min(r + 4, rows); ++i) row(i);
+  }
+  ListedPrefetch rest(Index done) const {
+    return {at + std::min(done, rows), bytes, std::max<Index>(rows - done, 0)};
+  }
+};
+
+/// A decoding tile's rows stored contiguously: row j at `first + j * stride` elements.
+template <class E>
+struct StridedRows {
+  const E* first;
+  Index stride;
+  const E* operator()(Index j) const { return first + j * stride; }
+  /// The rows from row j on, renumbered from 0, each from its column c on.
+  StridedRows from(Index j, Index c = 0) const { return {first + j * stride + c, stride}; }
+  /// Rows j .. j + 3 (the 4 x 4 score blocks' keys): `four(j)[k]` is row j + k.
+  StridedRows four(Index j) const { return from(j); }
+  const E* operator[](Index k) const { return first + k * stride; }
+};
+
+/// A decoding tile's rows where their pages keep them: row j at the address `at[j]`, from its
+/// column `column` on. The kernels read a tile through either kind of rows alike, so a paged
+/// tile's arithmetic, and its bits, are those of the same rows stored contiguously.
+template <class E>
+struct ListedRows {
+  const char* const* at;
+  Index column = 0;
+  const E* operator()(Index j) const { return reinterpret_cast<const E*>(at[j]) + column; }
+  /// The rows from row j on, renumbered from 0, each from its column c on.
+  ListedRows from(Index j, Index c = 0) const { return {at + j, column + c}; }
+  /// Rows j .. j + 3 (the 4 x 4 score blocks' keys): `four(j)[k]` is row j + k.
+  ListedRows four(Index j) const { return from(j); }
+  const E* operator[](Index k) const { return (*this)(k); }
+};
+
 /// `PrefetchRows` for rows [0, rows) of `width` stored elements, the first at `first`, `stride`
 /// elements apart.
 template <class E>
@@ -134,15 +188,14 @@ EIGEN_STRONG_INLINE void keep_in_register(Packet& p) {
 }
 
 /// Scores of heads [h0, h0 + G) against keys [0, cols) of a tile: s(h, j) = q_h . K_j.
-/// Shape contract: q rows of d_k scalars (d_k a multiple of the packet size), K_tile rows of
-/// k_stride elements stored by `Codec` (with `k_scales` for Int8). Each key row is loaded once per
+/// Shape contract: q rows of d_k scalars (d_k a multiple of the packet size), K_tile's rows
+/// (`StridedRows` or `ListedRows`) of elements stored by `Codec` (with `k_scales` for Int8). Each key row is loaded once per
 /// packet, widened in registers and multiplied into the G accumulators; row j of `ahead` is asked
 /// for with key j.
-template <class T, class Codec, std::size_t... h>
+template <class T, class Codec, class Rows, class Ahead, std::size_t... h>
 EIGEN_STRONG_INLINE void decode_scores(std::index_sequence<h...>, const T* q, Index q_stride,
-                                       const typename Codec::Bits* K_tile, const T* k_scales,
-                                       Index k_stride, Index cols, Index d_k, T* s, Index s_stride,
-                                       const PrefetchRows& ahead) {
+                                       const Rows& K_tile, const T* k_scales, Index cols, Index d_k,
+                                       T* s, Index s_stride, const Ahead& ahead) {
   using Packet = DecodePacket<T>;
   constexpr Index lanes = decode_lanes<T>;
   constexpr std::size_t G = sizeof...(h);
@@ -151,7 +204,7 @@ EIGEN_STRONG_INLINE void decode_scores(std::index_sequence<h...>, const T* q, In
   using Eigen::internal::predux;
   using Eigen::internal::pset1;
   for (Index j = 0; j < cols; ++j) {
-    const typename Codec::Bits* k_j = K_tile + j * k_stride;
+    const typename Codec::Bits* k_j = K_tile(j);
     ahead.row(j);
     Packet acc[G];
     ((acc[h] = pset1<Packet>(T(0))), ...);
@@ -225,12 +278,13 @@ __attribute__((target("avx512f"))) inline void store_scores_4x4(__m512 sums, flo
 /// translation unit), and called only with `StoredArithmetic::Reduced` on a CPU that has it. The
 /// rows of `ahead` are asked for 4 per 4 keys, along the blocks, not all at once before the tile,
 /// which was slower (see docs/benchmarks.md). Shape contract: d_k a multiple of 32. Returns the number of keys done.
+template <class Rows, class Ahead>
 __attribute__((target("avx512f,avx512bf16"))) inline Index decode_scores_bf16_4x4(
-    const Eigen::bfloat16* q, Index q_stride, const Eigen::bfloat16* K_tile, Index k_stride,
-    Index cols, Index d_k, float* s, Index s_stride, const PrefetchRows& ahead) {
+    const Eigen::bfloat16* q, Index q_stride, const Rows& K_tile, Index cols, Index d_k, float* s,
+    Index s_stride, const Ahead& ahead) {
   Index j = 0;
   for (; j + 4 <= cols; j += 4) {
-    const Eigen::bfloat16* k = K_tile + j * k_stride;
+    const auto k = K_tile.four(j);
     ahead.block(j);
     __m512 acc[16];
     for (__m512& a : acc) a = _mm512_setzero_ps();
@@ -240,7 +294,7 @@ __attribute__((target("avx512f,avx512bf16"))) inline Index decode_scores_bf16_4x
         qh[h] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + h * q_stride + c));
       }
       for (int key = 0; key < 4; ++key) {
-        const __m512bh kv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + key * k_stride + c));
+        const __m512bh kv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k[key] + c));
         for (int h = 0; h < 4; ++h)
           acc[4 * h + key] = _mm512_dpbf16_ps(acc[4 * h + key], qh[h], kv);
       }
@@ -295,10 +349,11 @@ add_products_i16(__m512i acc, __m512i a, const std::int32_t* pair) {
 /// whatever the build's flags (intrinsics only), called only with `StoredArithmetic::Reduced` on a
 /// CPU that has it. Shape contract: d_k a multiple of 32 (a last 32 bytes are read masked), at
 /// most 8192. Returns the number of keys done.
+template <class Rows, class Ahead>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline Index decode_scores_i8_4x4(
     const std::int8_t* q, Index q_stride, const float* q_scale, const std::int32_t* q_bias,
-    const std::int8_t* K_tile, const float* k_scales, Index k_stride, Index cols, Index d_k,
-    float* s, Index s_stride, const PrefetchRows& ahead) {
+    const Rows& K_tile, const float* k_scales, Index cols, Index d_k, float* s, Index s_stride,
+    const Ahead& ahead) {
   // Lane 4 h + k of a block's sums belongs to head h: its scale and bias.
   const __m512 head_scales =
       _mm512_set_ps(q_scale[3], q_scale[3], q_scale[3], q_scale[3], q_scale[2], q_scale[2],
@@ -312,7 +367,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline Index decode_score
   const __mmask64 last_32 = 0xffffffffULL;
   Index j = 0;
   for (; j + 4 <= cols; j += 4) {
-    const std::int8_t* k = K_tile + j * k_stride;
+    const auto k = K_tile.four(j);
     ahead.block(j);
     __m512i acc[16];
     for (__m512i& a : acc) a = _mm512_setzero_si512();
@@ -321,11 +376,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline Index decode_score
       __m512i kv[4];
       if (c < whole) {
         for (int h = 0; h < 4; ++h) qh[h] = _mm512_loadu_si512(q + h * q_stride + c);
-        for (int key = 0; key < 4; ++key) kv[key] = _mm512_loadu_si512(k + key * k_stride + c);
+        for (int key = 0; key < 4; ++key) kv[key] = _mm512_loadu_si512(k[key] + c);
       } else {  // the masked-off bytes: queries 0, so whatever the keys read, no product
         for (int h = 0; h < 4; ++h) qh[h] = _mm512_maskz_loadu_epi8(last_32, q + h * q_stride + c);
         for (int key = 0; key < 4; ++key) {
-          kv[key] = _mm512_maskz_loadu_epi8(last_32, k + key * k_stride + c);
+          kv[key] = _mm512_maskz_loadu_epi8(last_32, k[key] + c);
         }
       }
       for (int key = 0; key < 4; ++key) {
@@ -360,18 +415,17 @@ constexpr Index decode_i16_pairs = decode_i16_max_cols / 2 + 1;
 /// permutation restores it at the end, where o_h = alpha_h o_h + scale_h sum. (Interleaving the
 /// rows byte by byte before widening them, as many shuffles but on 256-bit halves, was slower;
 /// see docs/benchmarks.md.)
-template <int Groups>
+template <int Groups, class Rows, class Ahead>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void decode_values_i16_pass(
     const std::int32_t (&p32)[4 * decode_i16_pairs], const float* scale, const float* alpha,
-    const std::int8_t* V_tile, Index v_stride, Index cols, float* o, Index o_stride,
-    const PrefetchRows& ahead) {
+    const Rows& V_tile, Index cols, float* o, Index o_stride, const Ahead& ahead) {
   __m512i acc[4][std::size_t(2 * Groups)];
   for (auto& head : acc)
     for (__m512i& a : head) a = _mm512_setzero_si512();
   const std::int32_t* pair = p32;  // the weights of rows j and j + 1
   for (Index j = 0; j < cols; j += 2, ++pair) {
-    const std::int8_t* a = V_tile + j * v_stride;
-    const std::int8_t* b = j + 1 < cols ? a + v_stride : a;  // an odd last row pairs with itself
+    const std::int8_t* a = V_tile(j);
+    const std::int8_t* b = j + 1 < cols ? V_tile(j + 1) : a;  // an odd last row pairs with itself
     ahead.row(j);
     ahead.row(j + 1);
     for (int g = 0; g < Groups; ++g) {
@@ -425,9 +479,10 @@ inline __mmask16 first_lanes(Index count) {
 /// scale among the rows; the float path then carries it, keeping the NaN rule). Shape contract:
 /// cols <= `decode_i16_max_cols`, d_v a multiple of 32. Called only with
 /// `StoredArithmetic::Reduced`.
+template <class Rows, class Ahead>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool decode_values_i16_4(
-    const float* p, Index p_stride, const float* alpha, const std::int8_t* V_tile, Index v_stride,
-    Index cols, Index d_v, float* o, Index o_stride, const PrefetchRows& ahead) {
+    const float* p, Index p_stride, const float* alpha, const Rows& V_tile, Index cols, Index d_v,
+    float* o, Index o_stride, const Ahead& ahead) {
   ATTN_ASSERT(cols <= decode_i16_max_cols && d_v % 32 == 0);
   const __m512 finite_max = _mm512_set1_ps(std::numeric_limits<float>::max());
   float largest[4];
@@ -457,12 +512,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool decode_values
   }
   Index c0 = 0;
   for (; c0 + 64 <= d_v; c0 += 64) {
-    decode_values_i16_pass<2>(p32, scale, alpha, V_tile + c0, v_stride, cols, o + c0, o_stride,
-                              c0 == 0 ? ahead : PrefetchRows{});
+    decode_values_i16_pass<2>(p32, scale, alpha, V_tile.from(0, c0), cols, o + c0, o_stride,
+                              c0 == 0 ? ahead : Ahead{});
   }
   if (c0 < d_v) {
-    decode_values_i16_pass<1>(p32, scale, alpha, V_tile + c0, v_stride, cols, o + c0, o_stride,
-                              c0 == 0 ? ahead : PrefetchRows{});
+    decode_values_i16_pass<1>(p32, scale, alpha, V_tile.from(0, c0), cols, o + c0, o_stride,
+                              c0 == 0 ? ahead : Ahead{});
   }
   return true;
 }
@@ -474,15 +529,13 @@ ATTN_INTRINSICS_END
 /// accumulate in 16 registers (each query packet loaded once for 4 keys), and one `sum_lanes16`
 /// gives their 16 scores (lane 4 h + k: head h, key k), stored as 4 floats per head. Returns the
 /// number of keys done (a multiple of 4; the caller does the rest one by one).
-template <class Codec>
-EIGEN_STRONG_INLINE Index decode_scores_4x4(const float* q, Index q_stride,
-                                            const typename Codec::Bits* K_tile,
-                                            const float* k_scales, Index k_stride, Index cols,
-                                            Index d_k, float* s, Index s_stride,
-                                            const PrefetchRows& ahead) {
+template <class Codec, class Rows, class Ahead>
+EIGEN_STRONG_INLINE Index decode_scores_4x4(const float* q, Index q_stride, const Rows& K_tile,
+                                            const float* k_scales, Index cols, Index d_k, float* s,
+                                            Index s_stride, const Ahead& ahead) {
   Index j = 0;
   for (; j + 4 <= cols; j += 4) {
-    const typename Codec::Bits* k = K_tile + j * k_stride;
+    const auto k = K_tile.four(j);
     ahead.block(j);
     __m512 acc[16];
     for (__m512& a : acc) a = _mm512_setzero_ps();
@@ -496,7 +549,7 @@ EIGEN_STRONG_INLINE Index decode_scores_4x4(const float* q, Index q_stride,
       keep_in_register(q2);
       keep_in_register(q3);
       for (int key = 0; key < 4; ++key) {
-        __m512 kv = load_stored<float, Codec>(k + key * k_stride + c);
+        __m512 kv = load_stored<float, Codec>(k[key] + c);
         keep_in_register(kv);
         acc[key] = _mm512_fmadd_ps(q0, kv, acc[key]);
         acc[4 + key] = _mm512_fmadd_ps(q1, kv, acc[4 + key]);
@@ -518,11 +571,10 @@ EIGEN_STRONG_INLINE Index decode_scores_4x4(const float* q, Index q_stride,
 /// packets) of the output: the G x C packets of output stay in registers over the whole tile, each
 /// value packet is loaded (and widened) once and multiplied into the G heads; row j of `ahead` is
 /// asked for with value j. The int8 scales are already in p.
-template <class T, class Codec, Index C, std::size_t... h>
+template <class T, class Codec, Index C, class Rows, class Ahead, std::size_t... h>
 EIGEN_STRONG_INLINE void decode_values(std::index_sequence<h...>, const T* p, Index p_stride,
-                                       const T* alpha, const typename Codec::Bits* V_tile,
-                                       Index v_stride, Index cols, T* o, Index o_stride,
-                                       const PrefetchRows& ahead) {
+                                       const T* alpha, const Rows& V_tile, Index cols, T* o,
+                                       Index o_stride, const Ahead& ahead) {
   using Packet = DecodePacket<T>;
   constexpr Index lanes = decode_lanes<T>;
   constexpr std::size_t G = sizeof...(h);
@@ -538,7 +590,7 @@ EIGEN_STRONG_INLINE void decode_values(std::index_sequence<h...>, const T* p, In
      ...);
   }
   for (Index j = 0; j < cols; ++j) {
-    const typename Codec::Bits* v_j = V_tile + j * v_stride;
+    const typename Codec::Bits* v_j = V_tile(j);
     ahead.row(j);
     for (Index c = 0; c < C; ++c) {
       Packet v = load_stored<T, Codec>(v_j + c * lanes);
@@ -618,51 +670,56 @@ void decode_variant(const DecodeVariant<V>& variant, T* s, Index s_stride, Index
   }
 }
 
-/// One tile for the heads [h0, h0 + G): scores, online-softmax update, values.
-template <class T, std::size_t G, class KBlock, class VBlock, class Variant = NoVariant>
-void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index cols,
-                 const ScoreRule<T>& rule, DecodeScratch<T>& scratch,
+/// A decoding tile of `cols` keys: their key and value rows (`StridedRows` or `ListedRows`), the
+/// int8 rows' scales (null for the other formats), and what the first head group asks for ahead
+/// (`PrefetchRows`): this tile's value rows while it scores, the next tile's key rows while it
+/// sums the values.
+template <class T, class KRows, class VRows, class Ahead>
+struct DecodeTile {
+  KRows k;
+  VRows v;
+  const T* k_scales;
+  const T* v_scales;
+  Index cols;
+  Ahead values_ahead, keys_ahead;
+};
+
+/// One tile for the heads [h0, h0 + G): scores, online-softmax update, values. The tile's keys
+/// are keys [j0, j0 + cols) of the step's block (where the variant places them).
+template <class T, std::size_t G, class KCodec, class VCodec, class KRows, class VRows, class Ahead,
+          class Variant = NoVariant>
+void decode_tile(Index h0, const DecodeTile<T, KRows, VRows, Ahead> tile, Index d_k, Index d_v,
+                 Index j0, const ScoreRule<T>& rule, DecodeScratch<T>& scratch,
                  const DecodeVariant<Variant>& variant = {}) {
-  using KCodec = codec_of_t<KBlock, T>;
-  using VCodec = codec_of_t<VBlock, T>;
   constexpr Index lanes = decode_lanes<T>;
   constexpr Index chunk = 16 / Index(G) >= 4 ? 4 : 16 / Index(G);  // packets of output per pass
   const auto heads = std::make_index_sequence<G>();
-  const Index d_k = K.cols();
-  const Index d_v = V.cols();
+  const Index cols = tile.cols;
 
   // 1. Scores of the tile (each key row streamed once from memory for the G heads).
   T* s = scratch.s.data() + h0 * scratch.s.outerStride();
   const Index s_stride = scratch.s.outerStride();
-  const auto* K_tile = block_data(K) + j0 * K.outerStride();
-  const T* k_scales = block_scales<T>(K);
   const T* q = scratch.q_scaled.data() + h0 * scratch.q_scaled.outerStride();
   const Index q_stride = scratch.q_scaled.outerStride();
-  const T* scales = k_scales ? k_scales + j0 : nullptr;
-  const auto* V_tile = block_data(V) + j0 * V.outerStride();
-  // The first head group's scores ask for this tile's value rows, its values for the next tile's
-  // key rows (`PrefetchRows`; every tile but the last has `cols` rows).
-  const PrefetchRows values_ahead =
-      h0 == 0 ? prefetch_rows_of(V_tile, V.outerStride(), d_v, cols) : PrefetchRows{};
-  const PrefetchRows keys_ahead =
-      h0 == 0 ? prefetch_rows_of(K_tile + cols * K.outerStride(), K.outerStride(), d_k,
-                                 std::min(cols, K.rows() - (j0 + cols)))
-              : PrefetchRows{};
+  const T* scales = tile.k_scales;
+  // Only the first head group asks for rows ahead (later groups find them in the caches).
+  const Ahead values_ahead = h0 == 0 ? tile.values_ahead : Ahead{};
+  const Ahead keys_ahead = h0 == 0 ? tile.keys_ahead : Ahead{};
   Index done = 0;
 #if defined(ATTN_X86_TARGETS)
   if constexpr (G == 4 && std::is_same_v<T, float> && std::is_same_v<KCodec, BFloat16Codec>) {
     if (scratch.bf16_scores) {
       done = decode_scores_bf16_4x4(scratch.q_bf16.data() + h0 * scratch.q_bf16.outerStride(),
-                                    scratch.q_bf16.outerStride(), K_tile, K.outerStride(), cols,
-                                    d_k, s, s_stride, values_ahead);
+                                    scratch.q_bf16.outerStride(), tile.k, cols, d_k, s, s_stride,
+                                    values_ahead);
     }
   }
   if constexpr (G == 4 && std::is_same_v<T, float> && std::is_same_v<KCodec, Int8Codec>) {
     if (scratch.i8_scores) {
       done = decode_scores_i8_4x4(scratch.q_i8.data() + h0 * scratch.q_i8.outerStride(),
                                   scratch.q_i8.outerStride(), scratch.q_i8_scale.data() + h0,
-                                  scratch.q_i8_bias.data() + h0, K_tile, scales, K.outerStride(),
-                                  cols, d_k, s, s_stride, values_ahead);
+                                  scratch.q_i8_bias.data() + h0, tile.k, scales, cols, d_k, s,
+                                  s_stride, values_ahead);
     }
   }
 #endif
@@ -672,14 +729,14 @@ void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index col
   if constexpr (G == 4 && std::is_same_v<T, float> && lanes == 16 &&
                 !std::is_same_v<KCodec, SameCodec<T>>) {
     if (done == 0)
-      done = decode_scores_4x4<KCodec>(q, q_stride, K_tile, scales, K.outerStride(), cols, d_k, s,
-                                       s_stride, values_ahead);
+      done = decode_scores_4x4<KCodec>(q, q_stride, tile.k, scales, cols, d_k, s, s_stride,
+                                       values_ahead);
   }
 #endif
   if (done < cols) {
-    decode_scores<T, KCodec>(heads, q, q_stride, K_tile + done * K.outerStride(),
-                             scales ? scales + done : nullptr, K.outerStride(), cols - done, d_k,
-                             s + done, s_stride, values_ahead.rest(done));
+    decode_scores<T, KCodec>(heads, q, q_stride, tile.k.from(done),
+                             scales ? scales + done : nullptr, cols - done, d_k, s + done, s_stride,
+                             values_ahead.rest(done));
   }
   if constexpr (is_variant_v<Variant>) {
     decode_variant<VariantStep::Score>(variant, s, s_stride, h0, Index(G), j0, cols);
@@ -695,7 +752,7 @@ void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index col
   online_softmax_rows<T>(s, s_stride, Index(G), cols, state.m.data() + h0, state.l.data() + h0,
                          scratch.alpha.data() + h0);
   if constexpr (has_row_scales<VCodec>) {
-    const Eigen::Map<const RowVector<T>> v_scales(V.scales() + j0, cols);
+    const Eigen::Map<const RowVector<T>> v_scales(tile.v_scales, cols);
     scratch.s.block(h0, 0, Index(G), cols).array().rowwise() *= v_scales.array();
   }
 
@@ -705,22 +762,63 @@ void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index col
   T* o = state.o.data() + h0 * state.o.outerStride();
 #if defined(ATTN_X86_TARGETS)
   if constexpr (G == 4 && std::is_same_v<T, float> && std::is_same_v<VCodec, Int8Codec>) {
-    if (scratch.i16_values && decode_values_i16_4(s, s_stride, alpha, V_tile, V.outerStride(), cols,
-                                                  d_v, o, state.o.outerStride(), keys_ahead)) {
+    if (scratch.i16_values && decode_values_i16_4(s, s_stride, alpha, tile.v, cols, d_v, o,
+                                                  state.o.outerStride(), keys_ahead)) {
       return;
     }
   }
 #endif
   Index c0 = 0;
   for (; c0 + chunk * lanes <= d_v; c0 += chunk * lanes) {
-    decode_values<T, VCodec, chunk>(heads, s, s_stride, alpha, V_tile + c0, V.outerStride(), cols,
-                                    o + c0, state.o.outerStride(),
-                                    c0 == 0 ? keys_ahead : PrefetchRows{});
+    decode_values<T, VCodec, chunk>(heads, s, s_stride, alpha, tile.v.from(0, c0), cols, o + c0,
+                                    state.o.outerStride(), c0 == 0 ? keys_ahead : Ahead{});
   }
   for (; c0 < d_v; c0 += lanes) {
-    decode_values<T, VCodec, 1>(heads, s, s_stride, alpha, V_tile + c0, V.outerStride(), cols,
-                                o + c0, state.o.outerStride(), PrefetchRows{});
+    decode_values<T, VCodec, 1>(heads, s, s_stride, alpha, tile.v.from(0, c0), cols, o + c0,
+                                state.o.outerStride(), Ahead{});
   }
+}
+
+/// `decode_tile`, never inlined into its caller: inlined into the loop over a paged block's tiles,
+/// GCC 12 kept the score accumulators on the stack (a store per multiply-add), which made the
+/// step about twice as slow as on contiguous rows.
+template <class T, std::size_t G, class KCodec, class VCodec, class KRows, class VRows, class Ahead,
+          class Variant>
+EIGEN_DONT_INLINE void decode_tile_apart(Index h0, const DecodeTile<T, KRows, VRows, Ahead>& tile,
+                                         Index d_k, Index d_v, Index j0, const ScoreRule<T>& rule,
+                                         DecodeScratch<T>& scratch,
+                                         const DecodeVariant<Variant>& variant) {
+  decode_tile<T, G, KCodec, VCodec>(h0, tile, d_k, d_v, j0, rule, scratch, variant);
+}
+
+/// The tile of keys [j0, j0 + cols) of contiguous blocks K and V (Eigen blocks of T or
+/// `StoredBlock`s), read where they are.
+template <class T, class KBlock, class VBlock>
+auto strided_tile(const KBlock& K, const VBlock& V, Index j0, Index cols) {
+  using KBits = typename codec_of_t<KBlock, T>::Bits;
+  using VBits = typename codec_of_t<VBlock, T>::Bits;
+  const KBits* k = block_data(K) + j0 * K.outerStride();
+  const VBits* v = block_data(V) + j0 * V.outerStride();
+  const T* k_scales = block_scales<T>(K);
+  const T* v_scales = block_scales<T>(V);
+  return DecodeTile<T, StridedRows<KBits>, StridedRows<VBits>, PrefetchRows>{
+      {k, K.outerStride()},
+      {v, V.outerStride()},
+      k_scales ? k_scales + j0 : nullptr,
+      v_scales ? v_scales + j0 : nullptr,
+      cols,
+      prefetch_rows_of(v, V.outerStride(), V.cols(), cols),
+      prefetch_rows_of(k + cols * K.outerStride(), K.outerStride(), K.cols(),
+                       std::min(cols, K.rows() - (j0 + cols)))};
+}
+
+/// `decode_tile` on the tile of keys [j0, j0 + cols) of contiguous blocks K and V.
+template <class T, std::size_t G, class KBlock, class VBlock, class Variant = NoVariant>
+void decode_tile(Index h0, const KBlock& K, const VBlock& V, Index j0, Index cols,
+                 const ScoreRule<T>& rule, DecodeScratch<T>& scratch,
+                 const DecodeVariant<Variant>& variant = {}) {
+  decode_tile<T, G, codec_of_t<KBlock, T>, codec_of_t<VBlock, T>>(
+      h0, strided_tile<T>(K, V, j0, cols), K.cols(), V.cols(), j0, rule, scratch, variant);
 }
 
 /// The rows of a decoding step with a variant whose output is not finite, recomputed key by key
@@ -749,6 +847,70 @@ void repair_decode_rows(ConstRef<T> q, const KBlock& K, const VBlock& V, const S
       exact_row<T>(q.middleRows(r, 1), K_rows, V_rows, one, 0, o.row(r), lse ? lse + r : nullptr,
                    variant.row(r));
     }
+  }
+}
+
+/// Calls `f(G, h0)` for the query heads [0, g) in groups of G = 4, then 2, then 1 (G an
+/// `std::integral_constant`), the groups `decode_tile` takes.
+template <class F>
+void for_head_groups(Index g, const F& f) {
+  Index h0 = 0;
+  for (; h0 + 4 <= g; h0 += 4) f(std::integral_constant<std::size_t, 4>(), h0);
+  for (; h0 + 2 <= g; h0 += 2) f(std::integral_constant<std::size_t, 2>(), h0);
+  for (; h0 < g; ++h0) f(std::integral_constant<std::size_t, 1>(), h0);
+}
+
+/// The tiles of a decoding step of g query heads over paged rows (`PagedRows`), read where their
+/// pages keep them: a tile whose rows are in one page, and the next tile's too, through a stride,
+/// as contiguous blocks are read; any other through its rows' addresses (`ListedRows`, slower:
+/// see docs/benchmarks.md#many-sequences-at-once). The tiles, and so the bits, are those of the
+/// same rows stored contiguously.
+template <class T, class Codec, class Variant>
+void decode_paged_tiles(Index g, const PagedRows<Codec, T>& K, const PagedRows<Codec, T>& V,
+                        const ScoreRule<T>& rule, DecodeScratch<T>& scratch,
+                        const DecodeVariant<Variant>& variant) {
+  constexpr Index tile = 64;
+  using Bits = typename Codec::Bits;
+  const Index m = K.rows();
+  const Index k_bytes = K.cols() * Index(sizeof(Bits));
+  const Index v_bytes = V.cols() * Index(sizeof(Bits));
+  const auto scales = [](const T* s) { return has_row_scales<Codec> ? s : nullptr; };
+  for (Index j0 = 0; j0 < m; j0 += tile) {
+    const Index cols = std::min(tile, m - j0);
+    const Index next = std::min(tile, m - j0 - cols);
+    // K and V share their pages: the same rows are in one page in both.
+    if (K.in_one_page(j0, cols) && K.in_one_page(j0 + cols, next)) {
+      const Bits* k = K.row_at(j0);
+      const Bits* v = V.row_at(j0);
+      const DecodeTile<T, StridedRows<Bits>, StridedRows<Bits>, PrefetchRows> strided{
+          {k, K.cols()},
+          {v, V.cols()},
+          scales(K.scale_at(j0)),
+          scales(V.scale_at(j0)),
+          cols,
+          prefetch_rows_of(v, V.cols(), V.cols(), cols),
+          next ? prefetch_rows_of(K.row_at(j0 + cols), K.cols(), K.cols(), next) : PrefetchRows{}};
+      for_head_groups(g, [&](auto G, Index h0) {
+        decode_tile_apart<T, decltype(G)::value, Codec, Codec>(h0, strided, K.cols(), V.cols(), j0,
+                                                               rule, scratch, variant);
+      });
+      continue;
+    }
+    K.addresses(j0, cols, scratch.k_at[0], scratch.k_scales[0]);
+    K.addresses(j0 + cols, next, scratch.k_at[1], scratch.k_scales[1]);
+    V.addresses(j0, cols, scratch.v_at, scratch.v_scales);
+    const DecodeTile<T, ListedRows<Bits>, ListedRows<Bits>, ListedPrefetch> listed{
+        {scratch.k_at[0]},
+        {scratch.v_at},
+        scales(scratch.k_scales[0]),
+        scales(scratch.v_scales),
+        cols,
+        ListedPrefetch{scratch.v_at, v_bytes, cols},
+        ListedPrefetch{scratch.k_at[1], k_bytes, next}};
+    for_head_groups(g, [&](auto G, Index h0) {
+      decode_tile_apart<T, decltype(G)::value, Codec, Codec>(h0, listed, K.cols(), V.cols(), j0,
+                                                             rule, scratch, variant);
+    });
   }
 }
 
@@ -829,6 +991,7 @@ void decode_blocks(ConstRef<T> q, const KBlock& K, const VBlock& V, const ScoreR
   scratch.alpha.resize(g);
   scratch.s.resize(g, tile);
   const bool vectorised = decode_vectorised<T>(K.cols(), V.cols());
+  bool in_place = false;  // paged tiles read where they are (below)
   // The tile of keys [j0, j0 + cols) of the blocks Kb and Vb, `at` placing the variant.
   const auto run_tile = [&](const auto& Kb, const auto& Vb, Index j0, Index cols,
                             const DecodeVariant<Variant>& at) {
@@ -860,7 +1023,13 @@ void decode_blocks(ConstRef<T> q, const KBlock& K, const VBlock& V, const ScoreR
       scores_then(scratch.v_wide);
     }
   };
-  for (Index j0 = 0; j0 < K.rows(); j0 += tile) {
+  if constexpr (is_paged_v<KBlock>) {
+    if (vectorised) {
+      decode_paged_tiles<T>(g, K, V, rule, scratch, variant);
+      in_place = true;
+    }
+  }
+  for (Index j0 = 0; j0 < K.rows() && !in_place; j0 += tile) {
     const Index cols = std::min(tile, K.rows() - j0);
     if constexpr (is_paged_v<KBlock>) {
       // The tile's rows gathered from their pages: the same tile, contiguous. The next tile's

@@ -69,6 +69,38 @@ class PagedRows {
     });
   }
 
+  /// Whether rows [j0, j0 + count) are in one page (then stored one after the other).
+  bool in_one_page(Index j0, Index count) const {
+    return count == 0 || (first_ + j0) % page_size_ + count <= page_size_;
+  }
+
+  /// The pool row of row j.
+  Index pool_row(Index j) const {
+    const Index p = first_ + j;
+    return (Index(pages_[p / page_size_]) * heads_ + head_) * page_size_ + p % page_size_;
+  }
+
+  /// The stored elements of row j (the rows after it in its page follow, `cols()` apart).
+  const Bits* row_at(Index j) const { return pool_ + pool_row(j) * cols_; }
+
+  /// For Int8, the scale of row j (those of the rows after it in its page follow).
+  const T* scale_at(Index j) const { return scales_ + pool_row(j); }
+
+  /// The addresses of rows [j0, j0 + count) in `at` and, for Int8, their scales in `scales`.
+  void addresses(Index j0, Index count, const char** at, T* scales) const {
+    runs(j0, count, [&](Index row, Index run, Index j) {
+      const Bits* first = pool_ + row * cols_;
+      for (Index i = 0; i < run; ++i) {
+        at[j - j0 + i] = reinterpret_cast<const char*>(first + i * cols_);
+      }
+      if constexpr (has_row_scales<Codec>) {
+        std::copy(scales_ + row, scales_ + row + run, scales + (j - j0));
+      } else {
+        static_cast<void>(scales);
+      }
+    });
+  }
+
   /// The stored elements of pool row `row` (see `runs`).
   const Bits* row_data(Index row) const { return pool_ + row * cols_; }
 
