@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <initializer_list>
@@ -1191,6 +1192,47 @@ TEST(MultiHeadForwardStep, Float16CacheStaysNearTheFullForward) {
   const float worst = (stepped - full).cwiseAbs().maxCoeff() / full.cwiseAbs().maxCoeff();
   EXPECT_LT(worst, 5e-3f);  // float16 keys and values: about 2^-11 relative per entry
   EXPECT_GT(worst, 0.0f);   // (they were rounded)
+}
+
+/// A batch of sequences stepped in one call over a paged cache, prompt chunks and decoding steps
+/// mixed (and a sequence with no row in a step): each sequence's rows have the bits of
+/// `forward_step` on it alone over a `KVCache` of the same configuration.
+TEST(MultiHeadForwardStep, ABatchOverAPagedCacheIsEachSequenceAlone) {
+  const MultiHeadAttention<float> layer = decoder_layer<float>(attn::RopeStyle::Half, 69);
+  attn::PagedKVCacheConfig<float> config;
+  static_cast<attn::KVCacheConfig<float>&>(config) = decoder_cache<float>(attn::KVStorage::Float16);
+  config.page_size = 16;
+  config.pages = 64;
+  attn::PagedKVCache<float> paged(config);
+  std::vector<attn::KVCache<float>> alone(3, attn::KVCache<float>(config));
+  const std::vector<Index> ids{paged.add_sequence(), paged.add_sequence(), paged.add_sequence()};
+  std::mt19937 rng(69);
+  for (const std::vector<int>& lengths :
+       {std::vector<int>{20, 7, 33}, {1, 1, 1}, {5, 1, 0}, {1, 1, 1}}) {
+    std::vector<int> cu{0};
+    for (const int n : lengths) cu.push_back(cu.back() + n);
+    const attn::Matrix<float> X = attn_test::random_matrix<float>(cu.back(), 64, rng);
+    const attn::Matrix<float> out = layer.forward_step(X, paged, ids, cu);
+    for (std::size_t b = 0; b < ids.size(); ++b) {
+      if (lengths[b] == 0) continue;
+      const attn::Matrix<float> expected =
+          layer.forward_step(X.middleRows(cu[b], lengths[b]), alone[b]);
+      EXPECT_EQ(0, std::memcmp(out.middleRows(cu[b], lengths[b]).eval().data(), expected.data(),
+                               sizeof(float) * std::size_t(expected.size())))
+          << "sequence " << b << " of a step of " << cu.back() << " rows";
+    }
+  }
+  EXPECT_EQ(paged.length(ids[2]), 35);
+  attn::PagedKVCacheConfig<float> rotating = config;
+  rotating.rope = attn::RopeStyle::Half;
+  attn::PagedKVCache<float> both(rotating);
+  const Index id = both.add_sequence();
+  attn_test::expect_shape_error(
+      [&] {
+        layer.forward_step(attn::Matrix<float>::Ones(1, 64), both, {id}, {0, 1});
+      },
+      {"MultiHeadAttention::forward_step", "RoPE"});
+  EXPECT_EQ(both.length(id), 0) << "the cache is unchanged";
 }
 
 TEST(MultiHeadForwardStep, RefusesWhatItCannotDo) {

@@ -10,6 +10,7 @@
 #include <attn/kv_cache.hpp>
 #include <attn/paged_kv_cache.hpp>
 #include <attn/threads.hpp>
+#include <attn/variant.hpp>
 #include <cstring>
 #include <random>
 #include <utility>
@@ -415,6 +416,43 @@ TEST(PagedAttention, BlocksAcrossPageBreaksKeepTheBits) {
       }
     }
   }
+}
+
+// Speculative decoding: a tree of draft tokens appended after the prompt and verified in one call
+// with a TreeMask gives each draft what attending it token by token gives (a cache holding the
+// prompt and the draft's ancestors, the draft last), within rounding (the masked keys change the
+// tiles, not the sum: float, 1e-5); and the bits of KVCache::attend with the same tree.
+TEST(PagedAttention, ATreeOfDraftsEqualsTheDraftsAttendedOneByOne) {
+  for (const attn::KVStorage storage : {attn::KVStorage::Same, attn::KVStorage::Float16}) {
+    SCOPED_TRACE(int(storage));
+    const PagedKVCacheConfig<float> c = wide(16, 64, storage);
+    Twins x(c, 1);
+    x.query_heads = 8;
+    const Index prompt = 150;
+    const std::vector<Index> parents{-1, 0, 0, 1, 1, 2, -1, 6};
+    const auto drafts = static_cast<int>(parents.size());
+    const Rows prompt_rows(prompt, x.rng, c.d_k);
+    const Rows draft_rows(drafts, x.rng, c.d_k);
+    Matrix<float> K(prompt + drafts, kHeads * c.d_k), V(K.rows(), K.cols());
+    K << prompt_rows.K, draft_rows.K;
+    V << prompt_rows.V, draft_rows.V;
+    x.paged.append(x.ids[0], K, V);
+    x.caches[0].append(K, V);
+    const attn::TreeMask tree(prompt, parents);
+    const Matrix<float> Q = random_matrix<float>(drafts, 8 * c.d_k, x.rng);
+    const Matrix<float> out = x.paged.attend(x.ids, {0, drafts}, Q, tree);
+    EXPECT_TRUE(same_bits(out, x.caches[0].attend(Q, tree)));
+    for (Index i = 0; i < drafts; ++i) {
+      std::vector<Index> path;  // the draft's ancestors, root first, then the draft
+      for (Index a = i; a >= 0; a = parents[std::size_t(a)]) path.insert(path.begin(), a);
+      attn::KVCache<float> alone(x.config);
+      alone.append(prompt_rows.K, prompt_rows.V);
+      for (const Index a : path) alone.append(draft_rows.K.row(a), draft_rows.V.row(a));
+      const Matrix<float> expected = alone.attend(Q.row(i));
+      EXPECT_LT((out.row(i) - expected).cwiseAbs().maxCoeff(), 1e-5f) << "draft " << i;
+    }
+  }
+  expect_shape_error([] { attn::TreeMask(4, {-1, 2, 0}); }, {"TreeMask", "parents[1] = 2"});
 }
 
 TEST(PagedAttention, TheBitsDoNotDependOnTheThreadCount) {

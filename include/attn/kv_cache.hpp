@@ -73,11 +73,12 @@ struct MergeScratch {
 /// keeps. The pinned rows and the recent rows are two blocks of that rule (the pinned block
 /// ignores the window); with both kept, each query head attends each block and the two partial
 /// results are merged by log-sum-exp, the sink added once. With one block, the heads go through
-/// `heads_kernel` (or `heads_variant_kernel` with a variant: not null). The blocks are read
+/// `heads_kernel` (or `heads_variant_kernel` with a variant: not null, bound to batch item
+/// `batch`, the sequence's place in a batch of sequences, else 0). The blocks are read
 /// through `pinned_keys(kv)` ... `recent_values(kv)`: views of the cache's storage (stored
 /// blocks, or `PagedRows`). Q n x (heads d_k), out n x (heads d_v), heads side by side.
 template <class T, class Variant, class PK, class PV, class RK, class RV>
-void attend_kept(ConstRef<T> Q, Index heads, Index group, const Variant* variant,
+void attend_kept(ConstRef<T> Q, Index heads, Index group, const Variant* variant, Index batch,
                  const ScoreRule<T>& rule, const HeadOptions<T>& per_head, KeptBlocks kept,
                  const PK& pinned_keys, const PV& pinned_values, const RK& recent_keys,
                  const RV& recent_values, Eigen::Ref<Matrix<T>> out) {
@@ -120,7 +121,7 @@ void attend_kept(ConstRef<T> Q, Index heads, Index group, const Variant* variant
     const ScoreRule<T> block = only_pinned ? pinned_block(rule) : recent_block(rule);
     const auto run = [&](const auto& keys, const auto& values) {
       if constexpr (with_variant) {
-        heads_variant_kernel<T>(heads, group, block, per_head, *variant, 0, q, keys, values, o,
+        heads_variant_kernel<T>(heads, group, block, per_head, *variant, batch, q, keys, values, o,
                                 stacked_q, stacked_o, [](Index) -> T* { return nullptr; });
       } else {
         heads_kernel<T>(heads, group, block, per_head, d_k, d_v, q, keys, values, o, stacked_q,
@@ -137,7 +138,7 @@ void attend_kept(ConstRef<T> Q, Index heads, Index group, const Variant* variant
   if constexpr (is_checked<Variant>::value) {
     for (Index h = 0; h < heads; ++h) {
       const ScoreRule<T> head = per_head.any() ? head_rule(rule, per_head, h) : rule;
-      const BoundVariant<Variant> bound{variant, 0, h, h / group};
+      const BoundVariant<Variant> bound{variant, batch, h, h / group};
       check_kernel_tiles<T>(pinned_block(head), FlashTiles{}, bound);
       check_kernel_tiles<T>(recent_block(head), FlashTiles{}, bound);
     }
@@ -154,7 +155,7 @@ void attend_kept(ConstRef<T> Q, Index heads, Index group, const Variant* variant
     s.lse.resize(n);
     Eigen::Ref<Matrix<T>> o_h = out.middleCols(h * d_v, d_v);
     if constexpr (with_variant) {
-      const BoundVariant<Variant> bound{variant, 0, h, kv};
+      const BoundVariant<Variant> bound{variant, batch, h, kv};
       flash_blocks<T>(q(h), kernel_block<T>(pinned_keys(kv)), kernel_block<T>(pinned_values(kv)), a,
                       FlashTiles{}, s.path.flash, s.o_pinned, s.lse_pinned.data(), bound);
       flash_blocks<T>(q(h), kernel_block<T>(recent_k(kv)), kernel_block<T>(recent_v(kv)), b,
@@ -521,7 +522,7 @@ class KVCache {
     detail::with_codec<T>(config_.storage, [&](auto codec) {
       using Codec = decltype(codec);
       detail::attend_kept<T>(
-          Q, heads, heads / config_.kv_heads, variant, rule, per_head, blocks,
+          Q, heads, heads / config_.kv_heads, variant, 0, rule, per_head, blocks,
           [&](Index kv) { return store_.template pinned_keys_as<Codec>(kv); },
           [&](Index kv) { return store_.template pinned_values_as<Codec>(kv); },
           [&](Index kv) { return store_.template recent_keys_as<Codec>(kv); },

@@ -23,6 +23,7 @@
 #include "flash.hpp"
 #include "heads.hpp"
 #include "kv_cache.hpp"
+#include "paged_kv_cache.hpp"
 #include "projection.hpp"
 #include "rope.hpp"
 #include "scores.hpp"
@@ -782,15 +783,75 @@ class MultiHeadAttention {
     return forward_step_with<Variant>(x, cache, &variant, options);
   }
 
- private:
-  /// `forward_step`, with `variant` unless null (Variant NoVariant).
-  template <class Variant, class DX>
-  Matrix<T> forward_step_with(const Eigen::MatrixBase<DX>& x, KVCache<T>& cache,
-                              const Variant* variant, const AttentionOptions<T>& options) const {
+  /// One step of a decoder for a batch of sequences in a paged cache, in one call: rows
+  /// [cu_seqlens[b], cu_seqlens[b + 1]) of x are sequence ids[b]'s new tokens (a chunk of a
+  /// prompt, or one token of a decoding step). Projects all rows at once, rotates each sequence's
+  /// by `rope` when set (at the positions that continue it), appends them to their sequences
+  /// (one `PagedKVCache::append`), attends each sequence's queries over its tokens (one
+  /// `PagedKVCache::attend`) and projects the heads' outputs. Each sequence's rows are those of
+  /// `forward_step` on it alone with a `KVCache` of the same configuration holding the same
+  /// tokens.
+  /// \param x           total x embed_dim, the sequences' new tokens packed by rows
+  /// \param cache       d_k == d_v == head_dim(), kv_heads == num_kv_heads; appended to
+  /// \param ids         existing sequences of `cache`, each listed once
+  /// \param cu_seqlens  ids.size() + 1 offsets of their rows in x
+  /// \param options     shared or per-sequence attention options
+  /// \returns total x embed_dim
+  /// \throws shape_error as `forward_step`, and as `PagedKVCache::append` (before anything
+  ///         changes: unknown ids, offsets, too few free pages) and `attend`.
+  template <class DX>
+  Matrix<T> forward_step(const Eigen::MatrixBase<DX>& x, PagedKVCache<T>& cache,
+                         const std::vector<Index>& ids, const std::vector<int>& cu_seqlens,
+                         const SequenceOptions<T>& options = {}) const {
     const char* function = "MultiHeadAttention::forward_step";
-    static_assert(std::is_same_v<typename DX::Scalar, T>, "x must have the layer's scalar type");
+    Matrix<T> Q, K, V;
+    project_step(function, x, cache.config(), Q, K, V);
     const Index hd = head_dim();
-    const KVCacheConfig<T>& cc = cache.config();
+    if (rope && cu_seqlens.size() == ids.size() + 1 && cu_seqlens.back() == x.rows()) {
+      const detail::RopeTable table = detail::rope_table(function, hd, rope_options);
+      for (std::size_t b = 0; b < ids.size(); ++b) {
+        const Index first = cache.contains(ids[b]) ? cache.length(ids[b]) : 0;
+        const Index n = cu_seqlens[b + 1] - cu_seqlens[b];
+        const auto& own = options.of(static_cast<Index>(b));
+        const Index q_first = own.query_offset ? *own.query_offset : first;
+        if (n <= 0) continue;
+        if (q_first < 0) {
+          detail::fail(function, "with RoPE the queries' position must be >= 0, got ", q_first);
+        }
+        detail::checked_add(function, first, n, "the positions of the new keys");
+        detail::checked_add(function, q_first, n, "the positions of the queries");
+        detail::rope_kernel<T>(Q.middleRows(cu_seqlens[b], n), hd, q_first, *rope, table);
+        detail::rope_kernel<T>(K.middleRows(cu_seqlens[b], n), hd, first, *rope, table);
+      }
+    }
+    cache.append(ids, cu_seqlens, K, V);
+    Matrix<T> heads_out;
+    cache.attend(ids, cu_seqlens, Q, options, {}, heads_out);
+    Matrix<T> out;
+    project_into(heads_out, W_O, b_O, out);
+    return out;
+  }
+
+ private:
+  /// The start of a cache step: its checks (`check_cache_step`), then x projected to the queries,
+  /// keys and values.
+  template <class DX>
+  void project_step(const char* function, const Eigen::MatrixBase<DX>& x,
+                    const KVCacheConfig<T>& cc, Matrix<T>& Q, Matrix<T>& K, Matrix<T>& V) const {
+    static_assert(std::is_same_v<typename DX::Scalar, T>, "x must have the layer's scalar type");
+    check_cache_step(function, x, cc);
+    const detail::ConstRef<T> input(x);
+    project_into(input, W_Q, b_Q, Q);
+    project_into(input, W_K, b_K, K);
+    project_into(input, W_V, b_V, V);
+  }
+
+  /// The checks of a cache step: x's width, a layer with a cache step (self-attention, no extra
+  /// keys), the cache's widths and heads, RoPE in one place only.
+  template <class DX>
+  void check_cache_step(const char* function, const Eigen::MatrixBase<DX>& x,
+                        const KVCacheConfig<T>& cc) const {
+    const Index hd = head_dim();
     if (x.cols() != config_.embed_dim || config_.kdim != config_.embed_dim ||
         config_.vdim != config_.embed_dim) {
       detail::fail(function, "x is ", detail::shape_of(x), " but the layer needs ",
@@ -808,11 +869,16 @@ class MultiHeadAttention {
     if (rope && cc.rope) {
       detail::fail(function, "both the layer and the cache apply RoPE: set one of them");
     }
-    const detail::ConstRef<T> input(x);
+  }
+
+  /// `forward_step`, with `variant` unless null (Variant NoVariant).
+  template <class Variant, class DX>
+  Matrix<T> forward_step_with(const Eigen::MatrixBase<DX>& x, KVCache<T>& cache,
+                              const Variant* variant, const AttentionOptions<T>& options) const {
+    const char* function = "MultiHeadAttention::forward_step";
     Matrix<T> Q, K, V;
-    project_into(input, W_Q, b_Q, Q);
-    project_into(input, W_K, b_K, K);
-    project_into(input, W_V, b_V, V);
+    project_step(function, x, cache.config(), Q, K, V);
+    const Index hd = head_dim();
     if (rope) {
       const Index first = cache.position();
       const Index q_first = options.query_offset ? *options.query_offset : first;

@@ -88,11 +88,11 @@ struct PoolView {
   }
 };
 
-/// One sequence of a paged attention call: its queries (rows [q0, q0 + n) of the packed Q), its
-/// page table, its kept keys and its checked rule.
+/// One sequence of a paged attention call: its place in the batch, its queries (rows [q0, q0 + n)
+/// of the packed Q), its page table, its kept keys and its checked rule.
 template <class T>
 struct PagedPlan {
-  Index q0, n;
+  Index batch, q0, n;
   const int* pages;
   KeptBlocks kept;
   ScoreRule<T> rule;
@@ -100,12 +100,13 @@ struct PagedPlan {
 
 /// The sequences of a paged attention call, each as `KVCache::attend` attends a cache holding its
 /// tokens (`attend_kept`), in parallel, longest first (each runs its heads on the thread that
-/// takes it). With `rope`, each sequence's queries are rotated for their positions first.
-template <class T, class Codec>
+/// takes it). With `rope`, each sequence's queries are rotated for their positions first. With a
+/// variant (not null), sequence b's is bound to batch item b (`ScoreAt::batch`).
+template <class T, class Codec, class Variant>
 void attend_paged(const PoolView<Codec, T>& pool, const std::vector<PagedPlan<T>>& plans,
-                  const ConstRef<T>& Q, Index heads, const HeadOptions<T>& per_head,
-                  const std::optional<RopeStyle>& rope, const RopeTable& rope_table,
-                  Matrix<T>& out) {
+                  const Variant* variant, const ConstRef<T>& Q, Index heads,
+                  const HeadOptions<T>& per_head, const std::optional<RopeStyle>& rope,
+                  const RopeTable& rope_table, Matrix<T>& out) {
   std::vector<std::size_t> order(plans.size());
   for (std::size_t b = 0; b < order.size(); ++b) order[b] = b;
   const auto cost = [&](std::size_t b) {
@@ -121,21 +122,43 @@ void attend_paged(const PoolView<Codec, T>& pool, const std::vector<PagedPlan<T>
       rope_kernel<T>(rotated, pool.d_k, plan.rule.q_position, *rope, rope_table);
     }
     const ConstRef<T> q = rope ? ConstRef<T>(rotated) : ConstRef<T>(Q.middleRows(plan.q0, plan.n));
-    const auto keys = [&](Index first, Index count) {
-      return [&pool, &plan, first, count](Index kv) {
-        return pool.key_rows(plan.pages, kv, first, count);
-      };
-    };
-    const auto values = [&](Index first, Index count) {
-      return [&pool, &plan, first, count](Index kv) {
-        return pool.value_rows(plan.pages, kv, first, count);
-      };
-    };
     const KeptBlocks& kept = plan.kept;
-    attend_kept<T>(q, heads, heads / pool.kv_heads, static_cast<const NoVariant*>(nullptr),
-                   plan.rule, per_head, kept, keys(0, kept.pinned), values(0, kept.pinned),
-                   keys(kept.first_recent, kept.recent), values(kept.first_recent, kept.recent),
-                   out.middleRows(plan.q0, plan.n));
+    if constexpr (std::is_same_v<Variant, NoVariant>) {
+      const auto keys = [&](Index first, Index count) {
+        return [&pool, &plan, first, count](Index kv) {
+          return pool.key_rows(plan.pages, kv, first, count);
+        };
+      };
+      const auto values = [&](Index first, Index count) {
+        return [&pool, &plan, first, count](Index kv) {
+          return pool.value_rows(plan.pages, kv, first, count);
+        };
+      };
+      attend_kept<T>(q, heads, heads / pool.kv_heads, variant, plan.batch, plan.rule, per_head,
+                     kept, keys(0, kept.pinned), values(0, kept.pinned),
+                     keys(kept.first_recent, kept.recent), values(kept.first_recent, kept.recent),
+                     out.middleRows(plan.q0, plan.n));
+    } else {
+      // A variant's paths read contiguous blocks: each key/value head's rows gathered first (the
+      // same rows, so the bits of a `KVCache` holding them).
+      std::vector<GatherBuffer<T>> buffers(static_cast<std::size_t>(4 * pool.kv_heads));
+      const auto gather = [&](bool of_values, Index first, Index count, Index which) {
+        using View = decltype(gathered(pool.key_rows(plan.pages, 0, 0, 0), 0, 0, buffers[0]));
+        std::vector<View> views;
+        for (Index kv = 0; kv < pool.kv_heads; ++kv) {
+          const auto rows = of_values ? pool.value_rows(plan.pages, kv, first, count)
+                                      : pool.key_rows(plan.pages, kv, first, count);
+          views.push_back(gathered(rows, 0, count,
+                                   buffers[static_cast<std::size_t>(which * pool.kv_heads + kv)]));
+        }
+        return [views](Index kv) { return views[static_cast<std::size_t>(kv)]; };
+      };
+      attend_kept<T>(q, heads, heads / pool.kv_heads, variant, plan.batch, plan.rule, per_head,
+                     kept, gather(false, 0, kept.pinned, 0), gather(true, 0, kept.pinned, 1),
+                     gather(false, kept.first_recent, kept.recent, 2),
+                     gather(true, kept.first_recent, kept.recent, 3),
+                     out.middleRows(plan.q0, plan.n));
+    }
   });
 }
 
@@ -489,42 +512,54 @@ class PagedKVCache {
   /// \throws shape_error on mismatched shapes or offsets, an unknown id, options that do not fit a
   ///         sequence (naming it), or queries that need keys a window has let go.
   /// \note Sequences run in parallel, longest first; within one, the paths of `KVCache::attend`
-  ///       (the decoding kernel gathers each tile of 64 keys from its pages; the other paths run
-  ///       on the sequence's rows gathered per query head).
+  ///       (the decoding kernel reads each tile of 64 keys where its pages keep it; the other
+  ///       paths run on the sequence's rows gathered per query head).
   template <class DQ>
   void attend(const std::vector<SequenceId>& ids, const std::vector<int>& cu_seqlens_q,
               const Eigen::MatrixBase<DQ>& Q, const SequenceOptions<detail::identity_t<T>>& options,
               const HeadOptions<detail::identity_t<T>>& per_head, Matrix<T>& out) const {
-    static_assert(std::is_same_v<typename DQ::Scalar, T>, "Q must have the cache's scalar type");
-    const char* where = "PagedKVCache::attend";
-    const Index heads = detail::packed_query_heads(where, Q, config_.kv_heads, config_.d_k);
-    check_offsets(where, "cu_seqlens_q", ids, cu_seqlens_q, Q.rows(), "rows of Q");
-    if (options.per_sequence() && options.size() != static_cast<Index>(ids.size())) {
-      detail::fail(where, "the per-sequence options have ", options.size(),
-                   " entries but there are ", ids.size(), " sequences");
-    }
-    // 1. Every sequence's rule, checked before anything is computed.
-    std::vector<detail::PagedPlan<T>> plans;
-    plans.reserve(ids.size());
-    for (std::size_t b = 0; b < ids.size(); ++b) {
-      const Sequence& s = sequence(where, ids[b]);
-      const Index n = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
-      const AttentionOptions<T>& own = options.of(static_cast<Index>(b));
-      const detail::KeptBlocks kept = kept_blocks(s);
-      plans.push_back({cu_seqlens_q[b], n, s.pages.data(), kept,
-                       detail::naming_part(where, "sequence", ids[b], [&](const char* at) {
-                         return detail::cache_rule(at, config_, s.length, kept, s.dropped > 0, own,
-                                                   per_head, heads, n);
-                       })});
-    }
-    if (out.rows() != Q.rows() || out.cols() != heads * config_.d_v) {
-      out.resize(Q.rows(), heads * config_.d_v);
-    }
-    // 2. The sequences (`detail::attend_paged`).
-    detail::with_codec<T>(config_.storage, [&](auto codec) {
-      detail::attend_paged<T>(pool_view<decltype(codec)>(), plans, Q, heads, per_head, config_.rope,
-                              rope_table_, out);
-    });
+    attend_with(ids, cu_seqlens_q, Q, static_cast<const detail::NoVariant*>(nullptr), options,
+                per_head, out);
+  }
+
+  /// `attend` with a variant (variant.hpp, docs/variants.md), into caller storage: as
+  /// `KVCache::attend` with a variant attends each sequence, the variant seeing each query and
+  /// key at its position in the sequence and the sequence's place in `ids` as `ScoreAt::batch`
+  /// (a `TreeMask` verifies a draft tree appended after the prompt). The bits of
+  /// `KVCache::attend(Q_b, variant, ...)` on each sequence alone where the variant does not read
+  /// `ScoreAt::batch`.
+  /// \param ids           existing sequences
+  /// \param cu_seqlens_q  ids.size() + 1 offsets of the queries
+  /// \param Q             total_q x (heads d_k)
+  /// \param variant       a variant (`is_variant_v`); `checked(variant)` checks every tile first
+  /// \param options       shared or per-sequence options
+  /// \param per_head      per-query-head values
+  /// \param out           resized to total_q x (heads d_v)
+  /// 	hrows shape_error as the overload without a variant.
+  template <class DQ, class Variant, std::enable_if_t<is_variant_v<Variant>, int> = 0>
+  void attend(const std::vector<SequenceId>& ids, const std::vector<int>& cu_seqlens_q,
+              const Eigen::MatrixBase<DQ>& Q, const Variant& variant,
+              const SequenceOptions<detail::identity_t<T>>& options,
+              const HeadOptions<detail::identity_t<T>>& per_head, Matrix<T>& out) const {
+    attend_with(ids, cu_seqlens_q, Q, &variant, options, per_head, out);
+  }
+
+  /// `attend` with a variant, returning total_q x (heads d_v).
+  /// \param ids           existing sequences
+  /// \param cu_seqlens_q  ids.size() + 1 offsets of the queries
+  /// \param Q             total_q x (heads d_k)
+  /// \param variant       a variant (`is_variant_v`)
+  /// \param options       shared or per-sequence options
+  /// \param per_head      per-query-head values
+  /// \returns total_q x (heads d_v)
+  template <class DQ, class Variant, std::enable_if_t<is_variant_v<Variant>, int> = 0>
+  Matrix<T> attend(const std::vector<SequenceId>& ids, const std::vector<int>& cu_seqlens_q,
+                   const Eigen::MatrixBase<DQ>& Q, const Variant& variant,
+                   const SequenceOptions<detail::identity_t<T>>& options = {},
+                   const HeadOptions<detail::identity_t<T>>& per_head = {}) const {
+    Matrix<T> out;
+    attend_with(ids, cu_seqlens_q, Q, &variant, options, per_head, out);
+    return out;
   }
 
   /// `attend` returning total_q x (heads d_v) (see the overload into caller storage).
@@ -552,6 +587,49 @@ class PagedKVCache {
     Index length = 0;        ///< tokens appended
     Index dropped = 0;       ///< pages a window has let go
   };
+
+  /// `attend`, with a variant when `variant` is not null (`NoVariant` without).
+  template <class DQ, class Variant>
+  void attend_with(const std::vector<SequenceId>& ids, const std::vector<int>& cu_seqlens_q,
+                   const Eigen::MatrixBase<DQ>& Q, const Variant* variant,
+                   const SequenceOptions<T>& options, const HeadOptions<T>& per_head,
+                   Matrix<T>& out) const {
+    static_assert(std::is_same_v<typename DQ::Scalar, T>, "Q must have the cache's scalar type");
+    const char* where = "PagedKVCache::attend";
+    const Index heads = detail::packed_query_heads(where, Q, config_.kv_heads, config_.d_k);
+    check_offsets(where, "cu_seqlens_q", ids, cu_seqlens_q, Q.rows(), "rows of Q");
+    if (options.per_sequence() && options.size() != static_cast<Index>(ids.size())) {
+      detail::fail(where, "the per-sequence options have ", options.size(),
+                   " entries but there are ", ids.size(), " sequences");
+    }
+    // 1. Every sequence's rule, checked before anything is computed.
+    std::vector<detail::PagedPlan<T>> plans;
+    plans.reserve(ids.size());
+    for (std::size_t b = 0; b < ids.size(); ++b) {
+      const Sequence& s = sequence(where, ids[b]);
+      const Index n = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+      const AttentionOptions<T>& own = options.of(static_cast<Index>(b));
+      const detail::KeptBlocks kept = kept_blocks(s);
+      const detail::ScoreRule<T> rule =
+          detail::naming_part(where, "sequence", ids[b], [&](const char* at) {
+            const detail::ScoreRule<T> r = detail::cache_rule(
+                at, config_, s.length, kept, s.dropped > 0, own, per_head, heads, n);
+            if constexpr (!std::is_same_v<Variant, detail::NoVariant>) {
+              detail::require_variant_positions(at, r.q_position, n, 0, s.length);
+            }
+            return r;
+          });
+      plans.push_back({static_cast<Index>(b), cu_seqlens_q[b], n, s.pages.data(), kept, rule});
+    }
+    if (out.rows() != Q.rows() || out.cols() != heads * config_.d_v) {
+      out.resize(Q.rows(), heads * config_.d_v);
+    }
+    // 2. The sequences (`detail::attend_paged`).
+    detail::with_codec<T>(config_.storage, [&](auto codec) {
+      detail::attend_paged<T>(pool_view<decltype(codec)>(), plans, variant, Q, heads, per_head,
+                              config_.rope, rope_table_, out);
+    });
+  }
 
   static PagedKVCacheConfig<T> checked(PagedKVCacheConfig<T> config) {
     static_assert(detail::is_supported_scalar_v<T>, "attn works on floating-point scalars");
@@ -890,7 +968,7 @@ void paged_attention(const PagePool<E>& pool, const CsrPageTable& table,
     const detail::KeptBlocks kept{0, lengths[b], 0};
     const AttentionOptions<T>& own = options.of(static_cast<Index>(b));
     plans.push_back(
-        {cu_seqlens_q[b], n, table.indices.data() + table.indptr[b], kept,
+        {static_cast<Index>(b), cu_seqlens_q[b], n, table.indices.data() + table.indptr[b], kept,
          detail::naming_part(where, "sequence", static_cast<long long>(b), [&](const char* at) {
            return detail::cache_rule(at, config, lengths[b], kept, false, own, per_head, heads, n);
          })});
@@ -905,7 +983,8 @@ void paged_attention(const PagePool<E>& pool, const CsrPageTable& table,
                                         pool.kv_heads,
                                         pool.d_k,
                                         pool.d_v};
-  detail::attend_paged<T>(view, plans, Q, heads, per_head, std::nullopt, detail::RopeTable{}, out);
+  detail::attend_paged<T>(view, plans, static_cast<const detail::NoVariant*>(nullptr), Q, heads,
+                          per_head, std::nullopt, detail::RopeTable{}, out);
 }
 
 /// `paged_attention` returning total_q x (heads d_v) (see the overload into caller storage).
