@@ -19,7 +19,9 @@ machine streams), for 32 sequences of mixed lengths (128k tokens) and for 64 seq
 tokens: the batched step's bandwidth for the bytes it reads as a share of the streamed one (target
 85%), and its speed over the loop (targets: never slower; 1.5x with the short sequences). And
 BM_cache_memory's counters: 64 sequences of 100 .. 8000 tokens in pages against the tokens' own
-bytes (target: within 2%) and against one KVCache each.
+bytes (target: within 2%) and against one KVCache each. And BM_shared_prefix: a decoding step of
+16 sequences forked from one 4096-token prompt with 256 tokens each of their own, with cascades
+against each sequence reading the prompt's pages itself (target: 4x).
 
 Standard library only; run it with /usr/bin/python3.
 """
@@ -48,8 +50,9 @@ def main():
     cached = "BM_kvcache_loop/batch:%d/threads:2"
     stream = "BM_stream_sum/threads:2"
     memory = "BM_cache_memory/iterations:1"
+    shared = "BM_shared_prefix/cascade:%d"
     names += [paged % (0, 16), paged % (0, 256), cached % 0, paged % (1, 16), paged % (1, 256),
-              cached % 1, stream, memory]
+              cached % 1, stream, memory, shared % 0, shared % 1]
     log("%s: %d rounds of %s" % (script, args.repetitions, ", ".join(names)))
     rounds = Rounds(binary, names, args, script)
     median = rounds.median
@@ -76,6 +79,9 @@ def main():
             targets.append(("batched decode, %s: over the loop of KVCache::attend >= %.1fx" %
                             (which, speed_target), "%.2fx" % over_loop,
                             over_loop >= speed_target))
+    cascade_speedup = rounds.speedup(shared % 0, shared % 1)
+    targets.append(("shared prefix, 16 sequences of 4096 + 256 tokens, cascade over each alone "
+                    ">= 4x", "%.2fx" % cascade_speedup, cascade_speedup >= 4.0))
     paged_bytes = median(memory, "paged_bytes")
     token_bytes = median(memory, "token_bytes")
     kvcache_bytes = median(memory, "kvcache_bytes")
@@ -102,6 +108,10 @@ def main():
           "pages %.1f MiB, the tokens' own bytes %.1f MiB, one KVCache each %.1f MiB (%.2fx)" %
           (paged_bytes / 2**20, token_bytes / 2**20, kvcache_bytes / 2**20,
            kvcache_bytes / token_bytes))
+    print()
+    print("Shared prefix, one decoding step of 16 sequences forked from a 4096-token prompt, 256 "
+          "tokens each of their own: %.1f us with cascades, %.1f us each reading the prompt "
+          "itself" % (median(shared % 1) * 1e3, median(shared % 0) * 1e3))
     print()
     print("| target | measured | |")
     print("|---|---:|---|")

@@ -11,7 +11,9 @@
 // over the same rows. batch:0 is 32 sequences of mixed lengths (128k tokens in all), batch:1 64
 // sequences of 64 .. 512 tokens. BM_stream_sum: what the machine streams at all.
 // BM_cache_memory: the bytes 64 sequences of 100 .. 8000 tokens take in pages and in one KVCache
-// each (counters; the time is the appends').
+// each (counters; the time is the appends'). BM_shared_prefix: a decoding step of 16 sequences
+// forked from one 4096-token prompt, each with 256 tokens of its own, with cascades (cascade:1) or
+// each sequence reading the shared pages itself (cascade:0).
 
 #include <algorithm>
 #include <cstdint>
@@ -223,6 +225,41 @@ void BM_stream_sum(benchmark::State& state) {
   attn::set_num_threads(0);
 }
 
+/// 16 sequences forked from one prompt of 4096 tokens, each with 256 tokens of its own, in a paged
+/// cache with cascades (`cascade` 1) or without (0: each sequence reads the shared pages itself, as
+/// 16 unshared sequences would): one decoding step of all 16 on two threads.
+void BM_shared_prefix(benchmark::State& state) {
+  attn::set_num_threads(2);
+  const bool cascade = state.range(0) != 0;
+  attn::PagedKVCacheConfig<float> config;
+  static_cast<attn::KVCacheConfig<float>&>(config) = decode_config();
+  config.pages = (4096 + 16 * 256) / 16 + 16;
+  config.cascade = cascade;
+  attn::PagedKVCache<float> cache(config);
+  const Index prompt = cache.add_sequence();
+  const Index width = decode_kv_heads * decode_dim;
+  cache.append(prompt, attn_bench::random_matrix<float>(4096, width, 1),
+               attn_bench::random_matrix<float>(4096, width, 2));
+  std::vector<attn::PagedKVCache<float>::SequenceId> ids;
+  std::vector<int> offsets{0};
+  for (int b = 0; b < 16; ++b) {
+    ids.push_back(cache.fork(prompt));
+    offsets.push_back(b + 1);
+  }
+  std::vector<int> own{0};
+  for (int b = 0; b < 16; ++b) own.push_back(own.back() + 256);
+  cache.append(ids, own, attn_bench::random_matrix<float>(16 * 256, width, 3),
+               attn_bench::random_matrix<float>(16 * 256, width, 4));
+  const attn::Matrix<float> q = attn_bench::random_matrix<float>(16, decode_heads * decode_dim, 5);
+  attn::Matrix<float> out;
+  for (auto _ : state) {
+    cache.attend(ids, offsets, q, attn::AttentionOptions<float>{}, {}, out);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  attn::set_num_threads(0);
+}
+
 /// 64 sequences of 100 .. 8000 tokens appended (in chunks of up to 512 tokens, as a server's
 /// prefill chunks would come) to a paged cache and to one KVCache each: the bytes each holds
 /// and the tokens' own bytes, as counters.
@@ -286,6 +323,12 @@ BENCHMARK(BM_stream_sum)
     ->Arg(2)
     ->ArgNames({"threads"})
     ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_shared_prefix)
+    ->Arg(0)
+    ->Arg(1)
+    ->ArgNames({"cascade"})
+    ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 BENCHMARK(BM_cache_memory)->Iterations(1)->Unit(benchmark::kMillisecond);
 

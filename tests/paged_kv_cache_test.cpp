@@ -11,6 +11,8 @@
 #include <attn/paged_kv_cache.hpp>
 #include <attn/threads.hpp>
 #include <attn/variant.hpp>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <utility>
@@ -453,6 +455,63 @@ TEST(PagedAttention, ATreeOfDraftsEqualsTheDraftsAttendedOneByOne) {
     }
   }
   expect_shape_error([] { attn::TreeMask(4, {-1, 2, 0}); }, {"TreeMask", "parents[1] = 2"});
+}
+
+// Forked sequences share their prompt's pages: a decoding step of all of them reads the shared
+// pages once (cascade) and merges each one's own pages by log-sum-exp. Against each sequence alone
+// (a KVCache, and the same cache with cascade off, which has its bits) the results differ by the
+// rounding of the merge only: at most 2 float ulps of the largest |V| entry (2^-22 max |V|; the
+// largest seen in these cases is printed).
+TEST(PagedAttention, SharedPrefixesAttendedOnceAgreeWithEachSequenceAlone) {
+  for (const attn::KVStorage storage : {attn::KVStorage::Same, attn::KVStorage::BFloat16}) {
+    for (const bool rope : {false, true}) {
+      SCOPED_TRACE(std::to_string(int(storage)) + (rope ? " RoPE" : ""));
+      PagedKVCacheConfig<float> c = wide(16, 512, storage);
+      if (rope) c.rope = attn::RopeStyle::Half;
+      PagedKVCacheConfig<float> off = c;
+      off.cascade = false;
+      PagedKVCache<float> paged(c), plain(off);
+      std::mt19937 rng(21);
+      const Rows prompt(2100, rng, c.d_k);
+      attn::KVCache<float> prompt_cache(static_cast<const attn::KVCacheConfig<float>&>(c));
+      prompt_cache.append(prompt.K, prompt.V);
+      const Index parent = paged.add_sequence();
+      paged.append(parent, prompt.K, prompt.V);
+      plain.append(plain.add_sequence(), prompt.K, prompt.V);
+      std::vector<Index> ids{parent}, plain_ids{0};
+      std::vector<attn::KVCache<float>> caches{prompt_cache};
+      std::vector<int> cu{0, 1};
+      for (int child = 0; child < 6; ++child) {
+        ids.push_back(paged.fork(parent));
+        plain_ids.push_back(plain.fork(0));
+        caches.push_back(prompt_cache);
+        cu.push_back(cu.back() + 1);
+      }
+      float worst = 0.0f, largest_v = prompt.V.cwiseAbs().maxCoeff();
+      for (int step = 0; step < 3; ++step) {
+        std::vector<int> own{0};
+        for (std::size_t b = 0; b < ids.size(); ++b) own.push_back(own.back() + 1 + int(b) * step);
+        const Rows x(own.back(), rng, c.d_k);
+        paged.append(ids, own, x.K, x.V);
+        plain.append(plain_ids, own, x.K, x.V);
+        for (std::size_t b = 0; b < ids.size(); ++b) {
+          caches[b].append(x.K.middleRows(own[b], own[b + 1] - own[b]),
+                           x.V.middleRows(own[b], own[b + 1] - own[b]));
+        }
+        largest_v = std::max(largest_v, x.V.cwiseAbs().maxCoeff());
+        const Matrix<float> Q = random_matrix<float>(Index(ids.size()), 8 * c.d_k, rng);
+        const Matrix<float> cascaded = paged.attend(ids, cu, Q);
+        const Matrix<float> each = plain.attend(plain_ids, cu, Q);
+        for (std::size_t b = 0; b < ids.size(); ++b) {
+          EXPECT_TRUE(same_bits(each.row(Index(b)), caches[b].attend(Q.row(Index(b)))));
+        }
+        worst = std::max(worst, (cascaded - each).cwiseAbs().maxCoeff());
+      }
+      EXPECT_LE(worst, std::ldexp(largest_v, -22));
+      std::printf("cascade against each alone: %.3g of max |V| (bound 2^-22 = %.3g)\n",
+                  double(worst / largest_v), std::ldexp(1.0, -22));
+    }
+  }
 }
 
 TEST(PagedAttention, TheBitsDoNotDependOnTheThreadCount) {

@@ -32,6 +32,11 @@ template <class T>
 struct PagedKVCacheConfig : KVCacheConfig<T> {
   Index page_size = 16;  ///< tokens per page, >= 1
   Index pages = 0;       ///< pages in the pool, >= 1: the capacity, fixed at construction
+  /// Decoding steps of sequences that share their first pages (by `fork`) read those pages once
+  /// for all of them and merge with each one's own pages (cascade), where it pays; their results
+  /// then differ from one sequence alone in the last bits. False: every sequence alone, always the
+  /// bits of `KVCache::attend`.
+  bool cascade = true;
 };
 
 /// A page table in FlashInfer's CSR form: sequence b's pages are the entries of `indices` from
@@ -158,6 +163,74 @@ void attend_paged(const PoolView<Codec, T>& pool, const std::vector<PagedPlan<T>
                      gather(false, kept.first_recent, kept.recent, 2),
                      gather(true, kept.first_recent, kept.recent, 3),
                      out.middleRows(plan.q0, plan.n));
+    }
+  });
+}
+
+/// Decoding steps (one query each) of sequences whose first `prefix` tokens are the same pages
+/// (`pages` of the first member; a multiple of the page size, before each member's last token),
+/// as a cascade: the prefix read once for every member's query heads (one decoding step of the
+/// stacked queries per key/value head, `decode_groups`), each member's own keys after it
+/// (`decode_blocks`), and the two merged by log-sum-exp, the sink added once (`merge_block`,
+/// `finish_merge`). The members' rules have options that are the same for every key (scale, softcap, sink, the
+/// stored arithmetic), checked by the caller.
+template <class T, class Codec>
+void attend_cascade(const PoolView<Codec, T>& pool, const std::vector<const PagedPlan<T>*>& members,
+                    Index prefix, const ConstRef<T>& Q, Index heads,
+                    const std::optional<RopeStyle>& rope, const RopeTable& rope_table,
+                    Matrix<T>& out) {
+  const Index kv_heads = pool.kv_heads;
+  const Index group = heads / kv_heads;
+  const Index d_k = pool.d_k;
+  const Index d_v = pool.d_v;
+  const auto count = static_cast<Index>(members.size());
+  const int* shared = members[0]->pages;
+  // Each kv head's query heads of every member, stacked: row s group + j is member s's head
+  // kv group + j (rotated for its position).
+  std::vector<Matrix<T>> stacked(static_cast<std::size_t>(kv_heads), Matrix<T>(count * group, d_k));
+  Matrix<T> row;
+  for (Index s = 0; s < count; ++s) {
+    const PagedPlan<T>& plan = *members[static_cast<std::size_t>(s)];
+    row = Q.middleRows(plan.q0, 1);
+    if (rope) rope_kernel<T>(row, d_k, plan.rule.q_position, *rope, rope_table);
+    for (Index h = 0; h < heads; ++h) {
+      stacked[static_cast<std::size_t>(h / group)].row(s * group + h % group) =
+          row.middleCols(h * d_k, d_k);
+    }
+  }
+  // 1. The shared prefix, once: every member's heads over it, without the sink.
+  const ScoreRule<T>& first = members[0]->rule;
+  ScoreRule<T> prefix_rule = first.uniform_part(count * group, prefix);
+  prefix_rule.reduced_arithmetic = first.reduced_arithmetic;
+  std::vector<Matrix<T>> o_prefix(static_cast<std::size_t>(kv_heads),
+                                  Matrix<T>(count * group, d_v));
+  std::vector<Vector<T>> lse_prefix(static_cast<std::size_t>(kv_heads), Vector<T>(count * group));
+  const auto at = [](Index h) { return static_cast<std::size_t>(h); };
+  decode_groups<T>(
+      kv_heads, prefix_rule, [&](Index h) { return ConstRef<T>(stacked[at(h)]); },
+      [&](Index h) { return pool.key_rows(shared, h, 0, prefix); },
+      [&](Index h) { return pool.value_rows(shared, h, 0, prefix); },
+      [&](Index h) { return Eigen::Ref<Matrix<T>>(o_prefix[at(h)]); }, BoundVariant<NoVariant>{},
+      [&](Index h) { return lse_prefix[at(h)].data(); });
+  // 2. Each member's own keys, merged with the prefix's result.
+  parallel_for<DecodeScratch<T>>(count * kv_heads, [&](Index t, DecodeScratch<T>& scratch) {
+    const Index s = t / kv_heads;
+    const Index h = t % kv_heads;
+    const PagedPlan<T>& plan = *members[static_cast<std::size_t>(s)];
+    const Index own = plan.kept.recent - prefix;
+    ScoreRule<T> own_rule = plan.rule.uniform_part(group, own);
+    own_rule.reduced_arithmetic = plan.rule.reduced_arithmetic;
+    Matrix<T> o_own(group, d_v);
+    Vector<T> lse_own(group);
+    decode_blocks<T>(
+        stacked[at(h)].middleRows(s * group, group), pool.key_rows(plan.pages, h, prefix, own),
+        pool.value_rows(plan.pages, h, prefix, own), own_rule, scratch, o_own, lse_own.data());
+    Matrix<T> o = o_prefix[at(h)].middleRows(s * group, group);
+    Vector<T> lse = lse_prefix[at(h)].segment(s * group, group);
+    merge_block<T>(o, lse.data(), o_own, lse_own.data());
+    finish_merge<T>(o, lse.data(), plan.rule.sink);
+    for (Index j = 0; j < group; ++j) {
+      out.block(plan.q0, (h * group + j) * d_v, 1, d_v) = o.row(j);
     }
   });
 }
@@ -624,11 +697,73 @@ class PagedKVCache {
     if (out.rows() != Q.rows() || out.cols() != heads * config_.d_v) {
       out.resize(Q.rows(), heads * config_.d_v);
     }
-    // 2. The sequences (`detail::attend_paged`).
+    // 2. Sequences that share their first pages, in cascades where it pays; the others one by
+    //    one (`detail::attend_paged`).
+    std::vector<std::vector<const detail::PagedPlan<T>*>> cascades;
+    std::vector<Index> prefixes;
+    if constexpr (std::is_same_v<Variant, detail::NoVariant>) {
+      if (config_.cascade && cascade_options(options, per_head)) {
+        find_cascades(plans, cascades, prefixes);
+      }
+    }
+    std::vector<detail::PagedPlan<T>> alone;
+    for (const detail::PagedPlan<T>& plan : plans) {
+      bool member = false;
+      for (const auto& c : cascades) member = member || std::count(c.begin(), c.end(), &plan) > 0;
+      if (!member) alone.push_back(plan);
+    }
     detail::with_codec<T>(config_.storage, [&](auto codec) {
-      detail::attend_paged<T>(pool_view<decltype(codec)>(), plans, variant, Q, heads, per_head,
-                              config_.rope, rope_table_, out);
+      const auto pool = pool_view<decltype(codec)>();
+      detail::attend_paged<T>(pool, alone, variant, Q, heads, per_head, config_.rope, rope_table_,
+                              out);
+      for (std::size_t c = 0; c < cascades.size(); ++c) {
+        detail::attend_cascade<T>(pool, cascades[c], prefixes[c], Q, heads, config_.rope,
+                                  rope_table_, out);
+      }
     });
+  }
+
+  /// Whether a call's options let its decoding steps run as cascades: shared options whose rule
+  /// is the same for every key of a step (scale, softcap, sink, the stored arithmetic), no
+  /// per-head values, no window.
+  bool cascade_options(const SequenceOptions<T>& options, const HeadOptions<T>& per_head) const {
+    if (options.per_sequence() || per_head.any() || config_.window) return false;
+    const AttentionOptions<T>& o = options.of(0);
+    return !o.mask && !o.bias && !o.alibi_slope && !o.window && !o.window_right && !o.query_offset;
+  }
+
+  /// The cascades among the plans: decoding steps (one query) of sequences whose first pages are
+  /// the same physical pages, at least `cascade_min_tokens` of them, before each one's last
+  /// token; per group, its members and the shared tokens (whole pages).
+  void find_cascades(const std::vector<detail::PagedPlan<T>>& plans,
+                     std::vector<std::vector<const detail::PagedPlan<T>*>>& cascades,
+                     std::vector<Index>& prefixes) const {
+    constexpr Index cascade_min_tokens = 64;
+    const Index P = config_.page_size;
+    std::unordered_map<int, std::vector<const detail::PagedPlan<T>*>> by_first_page;
+    for (const detail::PagedPlan<T>& plan : plans) {
+      if (plan.n == 1 && plan.kept.pinned == 0 && plan.kept.first_recent == 0 &&
+          plan.kept.recent > P) {
+        by_first_page[plan.pages[0]].push_back(&plan);
+      }
+    }
+    for (auto& [page, members] : by_first_page) {
+      if (members.size() < 2) continue;
+      const detail::PagedPlan<T>& leader = *members[0];
+      Index shared = (leader.kept.recent - 1) / P;  // whole pages before the last token
+      for (const detail::PagedPlan<T>* m : members) {
+        Index same = 0;
+        const Index most = std::min(shared, (m->kept.recent - 1) / P);
+        while (same < most && m->pages[same] == leader.pages[same]) ++same;
+        shared = same;
+      }
+      if (shared * P < cascade_min_tokens) continue;
+      // Members in batch order, so that the work does not depend on the hash map's order.
+      std::sort(members.begin(), members.end(),
+                [](const auto* a, const auto* b) { return a->batch < b->batch; });
+      cascades.push_back(members);
+      prefixes.push_back(shared * P);
+    }
   }
 
   static PagedKVCacheConfig<T> checked(PagedKVCacheConfig<T> config) {

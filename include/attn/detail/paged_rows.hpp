@@ -1,9 +1,9 @@
 #pragma once
 /// \file detail/paged_rows.hpp
 /// One sequence's rows of one key or value head in a pool of pages (`PagedKVCache`), as the
-/// kernels read them: the decoding kernel gathers each tile's rows from their pages into one
-/// contiguous block and runs its tile on that, so that its arithmetic, and its bits, are those of
-/// the same rows stored contiguously; the other paths run on the whole block gathered.
+/// kernels read them: the decoding kernel reads each tile where its pages keep it (through a
+/// stride within a page, through the rows' addresses across pages) with the arithmetic, and the
+/// bits, of the same rows stored contiguously; the other paths run on the whole block gathered.
 
 #include <algorithm>
 #include <type_traits>
@@ -124,7 +124,7 @@ struct is_paged<PagedRows<Codec, T>> : std::true_type {};
 template <class Block>
 inline constexpr bool is_paged_v = is_paged<Block>::value;
 
-/// The kernels take `PagedRows` as they come (the decoding kernel gathers tile by tile).
+/// The kernels take `PagedRows` as they come (the decoding kernel reads them tile by tile).
 template <class T, class Codec>
 const PagedRows<Codec, T>& kernel_block(const PagedRows<Codec, T>& B) {
   return B;

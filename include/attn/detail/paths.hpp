@@ -130,7 +130,7 @@ void run_path(Path path, ConstRef<T> Q, const StoredBlock<Codec, T>& K,
 }
 
 /// `run_path` over a sequence's rows in a page pool (detail/paged_rows.hpp): the decoding path
-/// gathers them tile by tile; the others run on the block gathered into `scratch`, contiguous. The
+/// reads them in place, tile by tile; the others run on the block gathered into `scratch`. The
 /// bits are those of the same rows stored contiguously.
 template <class T, class Codec>
 void run_path(Path path, ConstRef<T> Q, const PagedRows<Codec, T>& K, const PagedRows<Codec, T>& V,
@@ -144,6 +144,9 @@ void run_path(Path path, ConstRef<T> Q, const PagedRows<Codec, T>& K, const Page
   run_path<T>(path, Q, gathered(K, 0, K.rows(), scratch.paged_keys),
               gathered(V, 0, V.rows(), scratch.paged_values), rule, scratch, O, lse);
 }
+
+/// `decode_groups` without the log-sum-exp of its rows (the default).
+struct NoLse {};
 
 /// Keys per part when one decoding step is split over threads. A fixed number (not one derived
 /// from the thread count), so that the parts, and the bits of the merged result, are the same for
@@ -195,11 +198,21 @@ KeyRange decode_variant_keys(const BoundVariant<Variant>& variant, const ScoreRu
 /// between calls (`KeptScratch`), and the calling thread the partial results: a repeated step of
 /// the same shapes allocates nothing. With a variant, `variant` binds row 0 of group 0; row r of
 /// group g is query head `variant.head + g rows + r` over key/value head `variant.kv_head + g`.
+/// With `l` (not `NoLse`), l(g) is where group g's rows' log-sum-exps go (rows entries).
 template <class T, class QGroup, class KGroup, class VGroup, class OGroup,
-          class Variant = NoVariant>
+          class Variant = NoVariant, class LGroup = NoLse>
 void decode_groups(Index groups, const ScoreRule<T>& rule, const QGroup& q, const KGroup& k,
-                   const VGroup& v, const OGroup& o, const BoundVariant<Variant>& variant = {}) {
+                   const VGroup& v, const OGroup& o, const BoundVariant<Variant>& variant = {},
+                   const LGroup& l = {}) {
   if (groups == 0) return;
+  const auto lse_of = [&](Index g) -> T* {
+    if constexpr (std::is_same_v<LGroup, NoLse>) {
+      static_cast<void>(g);
+      return nullptr;
+    } else {
+      return l(g);
+    }
+  };
   const Index rows = q(0).rows();  // per group
   const KeyRange keys = decode_variant_keys<T>(variant, rule, rule.keys(0), groups, rows);
   const Index m = keys.end - keys.begin;
@@ -216,7 +229,7 @@ void decode_groups(Index groups, const ScoreRule<T>& rule, const QGroup& q, cons
     parallel_for<KeptScratch<DecodeScratch<T>>>(groups, flops, [&](Index g, auto& kept) {
       decode_blocks<T>(q(g), kernel_block<T>(k(g).middleRows(keys.begin, m)),
                        kernel_block<T>(v(g).middleRows(keys.begin, m)), rule, kept.get(), o(g),
-                       nullptr, variant_of(g, keys.begin));
+                       lse_of(g), variant_of(g, keys.begin));
     });
     return;
   }
@@ -253,6 +266,7 @@ void decode_groups(Index groups, const ScoreRule<T>& rule, const QGroup& q, cons
       merge_block<T>(out, lse.data(), store.o[i], store.lse[i].data());
     }
     finish_merge<T>(out, lse.data(), rule.sink);
+    if (T* to = lse_of(g)) std::copy(lse.data(), lse.data() + lse.size(), to);
   });
 }
 
