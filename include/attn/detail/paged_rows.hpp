@@ -83,8 +83,9 @@ class PagedRows {
   /// The stored elements of row j (the rows after it in its page follow, `cols()` apart).
   const Bits* row_at(Index j) const { return pool_ + pool_row(j) * cols_; }
 
-  /// For Int8, the scale of row j (those of the rows after it in its page follow).
-  const T* scale_at(Index j) const { return scales_ + pool_row(j); }
+  /// For Int8, the scale of row j (those of the rows after it in its page follow); null for the
+  /// formats without scales.
+  const T* scale_at(Index j) const { return scales_ ? scales_ + pool_row(j) : nullptr; }
 
   /// The addresses of rows [j0, j0 + count) in `at` and, for Int8, their scales in `scales`.
   void addresses(Index j0, Index count, const char** at, T* scales) const {
